@@ -1,0 +1,33 @@
+# The README's commands. `make test` and `make run` set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint run bench clean
+
+setup: $(STAMP)
+
+# Re-installs when pyproject.toml changes; otherwise a no-op (idempotent).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+# pytest exits 5 when it collects no test; that is not a failure of the code.
+test: lint
+	$(BIN)/pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+run: setup
+	$(BIN)/colonnade run
+
+bench: setup
+	$(BIN)/colonnade bench pulse
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,21 @@
+"""`colonnade bench …`: the benchmarks, printed side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    from colonnade.bench import pulse as bench_pulse
+
+    bp = bsub.add_parser(
+        "pulse",
+        help="PULSE patches against full checkpoints and peers' sparse formats",
+        description="Train a real transformers LM for a few AdamW steps, publish bf16 "
+        "after each, and compare patch sizes and times against full safetensors, "
+        "TRL-style and grail-style patches and the order-0 entropy bound.",
+    )
+    bench_pulse.add_arguments(bp)
+    bp.set_defaults(handler=bench_pulse.run)

@@ -1,0 +1,226 @@
+"""PULSE patches: encode the change between two states, apply it back exactly.
+
+A state is a dict of tensors (safetensors names, dtypes and shapes). A patch
+lists, per tensor that changed, the positions of the changed elements and a
+residual that rebuilds their new bits exactly (an XOR with the old bits, or
+the difference of order-preserving integer keys: both exact, never a float
+difference). New tensors, and tensors whose dtype or shape changed, travel
+whole; dropped tensors are listed. The header carries the SHA-256 of the base
+and of the result, and `apply` checks both, so a wrong state is never
+returned. See docs/pulse-format.md for the byte layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zstandard
+
+from . import bitcodes, positions
+from .context import choose_context, class_map
+from .format import pack
+from .quant import quantize_state
+from .tensors import (
+    FLOAT_DTYPES,
+    SIGNED_INT_DTYPES,
+    dtype_name,
+    state_sha256,
+    to_bits,
+)
+
+State = Mapping[str, torch.Tensor]
+CHUNK_ELEMS = 1 << 22
+ZSTD_LEVEL = 3
+# Above this density a plain bitmask is tried against the Rice code.
+MASK_TRY_DENSITY = 0.2
+
+
+@dataclass
+class PatchStats:
+    precision: str
+    elements: int = 0
+    changed: int = 0
+    tensors_changed: int = 0
+    patch_bytes: int = 0
+    full_bytes: int = 0
+    position_bytes: int = 0
+    residual_bytes: int = 0
+    base_sha256: str = ""
+    result_sha256: str = ""
+    codes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.patch_bytes / self.full_bytes if self.full_bytes else 0.0
+
+    @property
+    def bits_per_changed(self) -> float:
+        return 8 * self.patch_bytes / self.changed if self.changed else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        d = dict(self.__dict__)
+        d.update(density=self.density, ratio=self.ratio, bits_per_changed=self.bits_per_changed)
+        return d
+
+
+def prepare(state: State, precision: str) -> dict[str, torch.Tensor]:
+    """The state a receiver holds at this precision.
+
+    "exact": as given. "bf16": float tensors rounded to bf16. "int8": bf16
+    first, then 2-D weights quantized per row (codes + scales), so that a
+    scale moves only when its row's bf16 maximum does.
+    """
+    if precision == "exact":
+        return dict(state)
+    if precision not in ("bf16", "int8"):
+        raise ValueError(f"precision must be exact, bf16 or int8, not {precision!r}")
+    bf = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
+    return quantize_state(bf) if precision == "int8" else bf
+
+
+def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return bitcodes.ordered_key(bits, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
+
+
+def _residual_block(old: np.ndarray, new: np.ndarray, idx: np.ndarray, dtype: str):
+    """The cheaper of the XOR and the key-delta residual, zstd-compressed."""
+    o, n = old[idx], new[idx]
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    xor = cctx.compress(bitcodes.byte_planes(o ^ n))
+    delta = cctx.compress(bitcodes.byte_planes(bitcodes.zigzag(_key(n, dtype) - _key(o, dtype))))
+    return ("delta", delta) if len(delta) < len(xor) else ("xor", xor)
+
+
+def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
+    raw = to_bits(t).tobytes()
+    packed = zstandard.ZstdCompressor(level=1).compress(raw)
+    use = len(packed) < len(raw)
+    entry = {
+        "name": name,
+        "op": "full",
+        "dtype": dtype_name(t),
+        "shape": list(t.shape),
+        "zstd": use,
+        "blocks": [len(packed) if use else len(raw)],
+    }
+    return entry, [packed if use else raw]
+
+
+def _position_code(name, ctx, old_state, ob, mask, changed):
+    cmap = class_map(name, ctx, old_state, ob)
+    rice = positions.rice_encode(mask, cmap, CHUNK_ELEMS)
+    blocks = positions.rice_blocks(rice, ZSTD_LEVEL)
+    code, idx = "rice", rice.order
+    if changed > MASK_TRY_DENSITY * mask.size:
+        m = positions.mask_encode(mask, ZSTD_LEVEL)
+        if len(m) < sum(map(len, blocks)):
+            code, idx, blocks = "mask", np.flatnonzero(mask), [m]
+    return code, cmap.e0, idx, blocks
+
+
+def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
+    """(entry, blocks, changed elements) for one tensor of the new state, or None."""
+    old = old_state.get(name)
+    if old is None or old.dtype != new.dtype or old.shape != new.shape:
+        entry, blocks = _full_entry(name, new)
+        return entry, blocks, new.numel()
+    ob, nb = to_bits(old), to_bits(new)
+    mask = ob != nb
+    changed = int(np.count_nonzero(mask))
+    if changed == 0:
+        return None
+    dtype = dtype_name(new)
+    ctx = choose_context(name, old, old_state)
+    code, e0, idx, pos_blocks = _position_code(name, ctx, old_state, ob, mask, changed)
+    res, res_block = _residual_block(ob, nb, idx, dtype)
+    entry = {
+        "name": name,
+        "op": "patch",
+        "dtype": dtype,
+        "shape": list(new.shape),
+        "ctx": ctx,
+        "e0": e0,
+        "pos": code,
+        "res": res,
+        "changed": changed,
+    }
+    blocks = [*pos_blocks, res_block]
+    entry["blocks"] = [len(b) for b in blocks]
+    return entry, blocks, changed
+
+
+def _pool() -> ThreadPoolExecutor:
+    # numpy, zstd and hashlib release the GIL on large buffers: threads pay.
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+
+
+def encode(
+    old: State,
+    new: State,
+    *,
+    precision: str = "bf16",
+    base_sha256: str | None = None,
+    result_sha256: str | None = None,
+) -> tuple[bytes, PatchStats]:
+    """A patch that turns prepare(old) into prepare(new), and its statistics.
+
+    base_sha256 / result_sha256: hashes the caller already holds (a trainer
+    knows the hash of the version it published last), to skip re-hashing.
+    """
+    old_p, new_p = prepare(old, precision), prepare(new, precision)
+    with _pool() as pool:
+        base_f = pool.submit(state_sha256, old_p) if base_sha256 is None else None
+        res_f = pool.submit(state_sha256, new_p) if result_sha256 is None else None
+        names = sorted(new_p)
+        results = list(pool.map(lambda n: _encode_tensor(n, old_p, new_p[n]), names))
+        base_sha256 = base_sha256 or base_f.result()  # type: ignore[union-attr]
+        result_sha256 = result_sha256 or res_f.result()  # type: ignore[union-attr]
+    stats = PatchStats(precision, base_sha256=base_sha256, result_sha256=result_sha256)
+    entries, blocks = [], []
+    for name, r in zip(names, results, strict=True):
+        t = new_p[name]
+        stats.elements += t.numel()
+        stats.full_bytes += t.numel() * t.element_size()
+        if r is None:
+            continue
+        entry, bl, changed = r
+        _count(stats, entry, changed)
+        entries.append(entry)
+        blocks.extend(bl)
+    for name in sorted(set(old_p) - set(new_p)):
+        entries.append({"name": name, "op": "drop", "blocks": []})
+    header = {
+        "precision": precision,
+        "base_sha256": base_sha256,
+        "result_sha256": result_sha256,
+        "chunk_elems": CHUNK_ELEMS,
+        "tensors": entries,
+        "payload_bytes": sum(len(b) for b in blocks),
+    }
+    data = pack(header, blocks)
+    stats.patch_bytes = len(data)
+    return data, stats
+
+
+def _count(stats: PatchStats, entry: dict, changed: int) -> None:
+    stats.changed += changed
+    stats.tensors_changed += 1
+    key = entry["op"] if entry["op"] != "patch" else f"{entry['pos']}+{entry['res']}"
+    stats.codes[key] = stats.codes.get(key, 0) + 1
+    if entry["op"] == "patch":
+        stats.position_bytes += sum(entry["blocks"][:-1])
+        stats.residual_bytes += entry["blocks"][-1]
+
+
+def diff(old: State, new: State, *, precision: str = "bf16", **hashes: str | None) -> bytes:
+    """The patch alone; see `encode`."""
+    return encode(old, new, precision=precision, **hashes)[0]

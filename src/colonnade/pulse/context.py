@@ -1,0 +1,107 @@
+"""Context classes: what both sides know about an element before decoding it.
+
+Whether an element changes in one optimizer step depends on its base value: a
+step of ~lr crosses a bf16 rounding boundary far more often where the ulp is
+small. Grouping elements by the exponent of their base value (or, for int8
+codes, by the exponent of their row's scale) and coding each group on its own
+spends fewer bits than one density for the whole tensor. The receiver holds
+the base, so the grouping costs nothing to transmit but one reference number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .quant import SCALE_SUFFIX
+from .tensors import FLOAT_DTYPES, dtype_name, to_bits
+
+N_CLASSES = 16
+CHUNK_SCAN = 1 << 22
+
+# (shift, mask) of the exponent field per float dtype.
+_EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52, 0x7FF)}
+
+
+def exponent_field(bits: np.ndarray, dtype: str) -> np.ndarray:
+    shift, mask = _EXPONENT[dtype]
+    ut = bits.dtype.type
+    return ((bits >> ut(shift)) & ut(mask)).astype(np.int32)
+
+
+def choose_context(name: str, base: torch.Tensor, state: Mapping[str, torch.Tensor]) -> str:
+    dtype = dtype_name(base)
+    if dtype in FLOAT_DTYPES:
+        return "exp"
+    scale = state.get(name + SCALE_SUFFIX)
+    if (
+        dtype == "I8"
+        and base.ndim == 2
+        and scale is not None
+        and dtype_name(scale) == "F32"
+        and tuple(scale.shape) == (base.shape[0],)
+    ):
+        return "rowscale"
+    return "none"
+
+
+class ClassMap:
+    """Per-element classes of one base tensor, computed chunk by chunk.
+
+    Chunked so that a 500M-element embedding never needs a 2 GB int32 copy.
+    The reference exponent e0: a class is an exponent minus e0, clipped to
+    0..15. It is anchored at the largest exponent, because big-magnitude
+    elements change least and deserve the finest classes; everything 15 or
+    more binades below shares class 0, where nearly every element changes.
+    """
+
+    def __init__(
+        self,
+        ctx: str,
+        dtype: str,
+        base_bits: np.ndarray,
+        scale_bits: np.ndarray | None,
+        cols: int,
+        e0: int | None = None,
+    ) -> None:
+        self.ctx, self.dtype, self.bits, self.cols = ctx, dtype, base_bits, max(cols, 1)
+        self.rows = exponent_field(scale_bits, "F32") if ctx == "rowscale" else None
+        self.e0 = self._reference() if e0 is None else e0
+
+    def _reference(self) -> int:
+        if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
+            top = int(self.rows.max())
+        elif self.ctx == "exp" and self.bits.size:
+            top = max(
+                int(exponent_field(self.bits[s : s + CHUNK_SCAN], self.dtype).max())
+                for s in range(0, self.bits.size, CHUNK_SCAN)
+            )
+        else:
+            return 0
+        return max(0, top - (N_CLASSES - 1))
+
+    def classes(self, start: int, stop: int) -> np.ndarray:
+        """uint8 class of each element in [start, stop) of the flattened tensor."""
+        if self.ctx == "exp":
+            e = exponent_field(self.bits[start:stop], self.dtype)
+            return np.clip(e - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
+        if self.ctx == "rowscale" and self.rows is not None:
+            lo, hi = start // self.cols, -(-stop // self.cols)
+            rows = np.clip(self.rows[lo:hi] - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
+            return np.repeat(rows, self.cols)[start - lo * self.cols : stop - lo * self.cols]
+        return np.zeros(stop - start, dtype=np.uint8)
+
+
+def class_map(
+    name: str,
+    ctx: str,
+    state: Mapping[str, torch.Tensor],
+    base_bits: np.ndarray,
+    e0: int | None = None,
+) -> ClassMap:
+    base = state[name]
+    scale = to_bits(state[name + SCALE_SUFFIX]) if ctx == "rowscale" else None
+    cols = base.shape[1] if ctx == "rowscale" else 1
+    return ClassMap(ctx, dtype_name(base), base_bits, scale, cols, e0)

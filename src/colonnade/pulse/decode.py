@@ -1,0 +1,142 @@
+"""Applying a PULSE patch: rebuild the new state and prove it is the right one.
+
+Every check that can fail does so before a result exists: the base must hash
+to the patch's base_sha256, every block must decode to exactly its declared
+size, and the rebuilt state must hash to result_sha256. Unchanged tensors are
+shared with the base (never written), changed ones are fresh copies, so a
+failed apply leaves the caller's base untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from . import bitcodes, positions
+from .codec import State, _key, _pool
+from .context import class_map
+from .errors import PatchError
+from .format import unpack
+from .tensors import (
+    FLOAT_DTYPES,
+    SIGNED_INT_DTYPES,
+    dtype_name,
+    from_bits,
+    itemsize,
+    state_sha256,
+    to_bits,
+)
+
+
+def _split(payload: memoryview, entries: list[dict]) -> list[list[memoryview]]:
+    out, off = [], 0
+    for e in entries:
+        blocks = []
+        for n in e["blocks"]:
+            blocks.append(payload[off : off + n])
+            off += n
+        out.append(blocks)
+    return out
+
+
+def _decode_full(entry: dict, blocks: list[memoryview]) -> torch.Tensor:
+    shape = tuple(entry["shape"])
+    size = itemsize(entry["dtype"])
+    nbytes = size * int(np.prod(shape, dtype=np.int64))
+    raw = positions.decompress(bytes(blocks[0]), nbytes) if entry["zstd"] else bytes(blocks[0])
+    if len(raw) != nbytes:
+        raise ValueError(f"full tensor holds {len(raw)} bytes, expected {nbytes}")
+    bits = np.frombuffer(raw, dtype=np.dtype(f"<u{size}")).astype(f"=u{size}")
+    return from_bits(bits.copy(), entry["dtype"], shape)
+
+
+def _decode_residual(entry, block, old: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    size = old.dtype.itemsize
+    raw = positions.decompress(bytes(block), idx.size * size)
+    res = bitcodes.from_byte_planes(raw, idx.size, size).astype(old.dtype, copy=False)
+    o = old[idx]
+    if entry["res"] == "xor":
+        return o ^ res
+    dtype = entry["dtype"]
+    keys = _key(o, dtype) + bitcodes.unzigzag(res)
+    return bitcodes.from_ordered_key(keys, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
+
+
+def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int) -> torch.Tensor:
+    name = entry["name"]
+    old = base.get(name)
+    if old is None:
+        raise ValueError("the base has no such tensor")
+    if dtype_name(old) != entry["dtype"] or list(old.shape) != entry["shape"]:
+        raise ValueError(
+            f"base tensor is {dtype_name(old)} {list(old.shape)}, "
+            f"patch expects {entry['dtype']} {entry['shape']}"
+        )
+    if entry["ctx"] == "rowscale" and name + "::scale" not in base:
+        raise ValueError("rowscale context without a scale tensor in the base")
+    ob = to_bits(old)
+    if entry["pos"] == "rice":
+        cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
+        idx = positions.rice_decode(blocks[:3], ob.size, cmap, chunk)
+    else:
+        idx = positions.mask_decode(blocks[0], ob.size)
+    if idx.size != entry["changed"]:
+        raise ValueError(f"decoded {idx.size} changed elements, header says {entry['changed']}")
+    nb = ob.copy()
+    nb[idx] = _decode_residual(entry, blocks[-1], ob, idx)
+    return from_bits(nb, entry["dtype"], tuple(old.shape))
+
+
+def _decode_entry(entry, blocks, base, chunk):
+    try:
+        if entry["op"] == "full":
+            return _decode_full(entry, blocks)
+        return _decode_patch(entry, blocks, base, chunk)
+    except (ValueError, IndexError) as e:
+        raise PatchError(f"corrupt patch: tensor {entry['name']!r}: {e}") from None
+
+
+def apply(
+    base: State, patch: bytes | memoryview, *, base_sha256: str | None = None
+) -> dict[str, torch.Tensor]:
+    """The state the patch describes, checked against its SHA-256.
+
+    base_sha256: the hash of `base` if the caller already verified it (a
+    worker knows the hash of the state it is running); otherwise it is
+    computed. Raises PatchError for any patch that does not fit this base.
+    """
+    c = unpack(patch)
+    h = c.header
+    have = base_sha256 if base_sha256 is not None else state_sha256(base)
+    if have != h["base_sha256"]:
+        raise PatchError(
+            f"wrong base: patch is for base {h['base_sha256'][:12]}…, this state is {have[:12]}…"
+        )
+    entries = [e for e in h["tensors"] if e["op"] != "drop"]
+    dropped = {e["name"] for e in h["tensors"] if e["op"] == "drop"}
+    if not dropped <= set(base):
+        raise PatchError("corrupt patch: drops a tensor the base does not have")
+    blocks = _split(c.payload, entries)
+    with _pool() as pool:
+        decoded = list(
+            pool.map(
+                lambda eb: _decode_entry(*eb, base, h["chunk_elems"]),
+                zip(entries, blocks, strict=True),
+            )
+        )
+    result = {k: v for k, v in base.items() if k not in dropped}
+    result.update({e["name"]: t for e, t in zip(entries, decoded, strict=True)})
+    got = state_sha256(result)
+    if got != h["result_sha256"]:
+        raise PatchError(
+            f"corrupt patch: rebuilt state hashes to {got[:12]}…, "
+            f"patch promises {h['result_sha256'][:12]}…"
+        )
+    return result
+
+
+def read_header(patch: bytes | memoryview) -> Mapping[str, object]:
+    """The checked header of a patch (for inspection tools)."""
+    return unpack(patch).header

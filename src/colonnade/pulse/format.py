@@ -1,0 +1,164 @@
+"""The PULSE container: framing, header schema and integrity checks.
+
+Layout (all integers little-endian; see docs/pulse-format.md):
+
+    magic        8 bytes   b"\\x89PULSE\\r\\n"
+    version      u16       FORMAT_VERSION
+    flags        u16       0 (reserved)
+    header_len   u32
+    header       JSON, utf-8, header_len bytes
+    header_crc   u32       CRC-32 of the header bytes
+    payload      the tensors' blocks, back to back, in header order
+    digest       32 bytes  SHA-256 of everything before it
+
+Reading checks, in order: magic, version, length, header CRC, digest, schema.
+Each failure raises PatchError naming the region, so a truncated download is
+told apart from a bit flip or a patch for another base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PatchError
+from .tensors import DTYPES
+
+MAGIC = b"\x89PULSE\r\n"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sHHI")
+_CRC = struct.Struct("<I")
+DIGEST_BYTES = 32
+MAX_HEADER_BYTES = 64 << 20
+MAX_NAME_BYTES = 1024
+MAX_ELEMENTS = 1 << 48
+
+OPS = frozenset({"patch", "full", "drop"})
+POSITION_CODES = frozenset({"rice", "mask"})
+RESIDUAL_CODES = frozenset({"xor", "delta"})
+CONTEXTS = frozenset({"exp", "rowscale", "none"})
+PRECISIONS = frozenset({"bf16", "int8", "exact"})
+
+
+@dataclass(frozen=True)
+class Container:
+    header: dict[str, Any]
+    payload: memoryview
+
+
+def pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, _CRC.pack(zlib.crc32(head))]
+    parts.extend(blocks)
+    body = b"".join(parts)
+    return body + hashlib.sha256(body).digest()
+
+
+def unpack(data: bytes | memoryview) -> Container:
+    """Parse and check a patch's framing and header; payload stays a view."""
+    view = memoryview(data).cast("B")
+    if len(view) < _PREFIX.size:
+        raise PatchError(f"truncated patch: {len(view)} bytes is shorter than the fixed prefix")
+    magic, version, _flags, head_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise PatchError("not a PULSE patch (bad magic)")
+    if version != FORMAT_VERSION:
+        raise PatchError(
+            f"unknown PULSE format version {version} (this build reads {FORMAT_VERSION})"
+        )
+    if head_len > MAX_HEADER_BYTES:
+        raise PatchError(f"corrupt patch: header length {head_len} exceeds the limit")
+    head_end = _PREFIX.size + head_len
+    if len(view) < head_end + _CRC.size + DIGEST_BYTES:
+        raise PatchError(
+            f"truncated patch: {len(view)} bytes cannot hold its {head_len}-byte header"
+        )
+    head = bytes(view[_PREFIX.size : head_end])
+    (crc,) = _CRC.unpack_from(view, head_end)
+    if zlib.crc32(head) != crc:
+        raise PatchError("corrupt patch: header checksum mismatch")
+    header = _parse_header(head)
+    payload_start = head_end + _CRC.size
+    expected = payload_start + header["payload_bytes"] + DIGEST_BYTES
+    if len(view) < expected:
+        raise PatchError(f"truncated patch: {len(view)} bytes, header promises {expected}")
+    if len(view) > expected:
+        raise PatchError(f"corrupt patch: {len(view) - expected} unexpected trailing bytes")
+    body_end = expected - DIGEST_BYTES
+    if hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
+        raise PatchError("corrupt patch: payload digest mismatch (bit flip or damaged transfer)")
+    return Container(header, view[payload_start:body_end])
+
+
+def _parse_header(head: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PatchError(f"corrupt patch: header is not JSON ({e})") from None
+    try:
+        validate_header(header)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PatchError(f"corrupt patch: invalid header ({e})") from None
+    return header
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = MAX_ELEMENTS) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _is_sha(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def validate_header(h: Any) -> None:
+    """Schema of the header; raises ValueError/KeyError/TypeError on any deviation."""
+    _check(isinstance(h, dict), "header must be an object")
+    _check(h["precision"] in PRECISIONS, f"unknown precision {h['precision']!r}")
+    _check(_is_sha(h["base_sha256"]) and _is_sha(h["result_sha256"]), "bad sha256 fields")
+    _check(_is_int(h["chunk_elems"], 1, 1 << 32), "bad chunk_elems")
+    _check(isinstance(h["tensors"], list), "tensors must be a list")
+    total = 0
+    seen: set[str] = set()
+    for t in h["tensors"]:
+        _validate_entry(t)
+        _check(t["name"] not in seen, f"tensor {t['name']!r} listed twice")
+        seen.add(t["name"])
+        total += sum(t["blocks"])
+    _check(_is_int(h["payload_bytes"], 0, 1 << 48), "bad payload_bytes")
+    _check(total == h["payload_bytes"], "block lengths do not add up to payload_bytes")
+
+
+def _validate_entry(t: Any) -> None:
+    _check(isinstance(t, dict), "tensor entry must be an object")
+    name = t["name"]
+    _check(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "bad tensor name")
+    _check(t["op"] in OPS, f"unknown op {t['op']!r}")
+    blocks = t["blocks"]
+    _check(isinstance(blocks, list) and all(_is_int(b, 0, 1 << 48) for b in blocks), "bad blocks")
+    if t["op"] == "drop":
+        _check(not blocks, "drop carries no blocks")
+        return
+    _check(t["dtype"] in DTYPES, f"unknown dtype {t['dtype']!r}")
+    shape = t["shape"]
+    _check(isinstance(shape, list) and all(_is_int(d) for d in shape), "bad shape")
+    n = 1
+    for d in shape:
+        n *= d
+    _check(n <= MAX_ELEMENTS, "tensor too large")
+    if t["op"] == "full":
+        _check(len(blocks) == 1 and isinstance(t["zstd"], bool), "full wants one block and zstd")
+        return
+    _check(t["pos"] in POSITION_CODES, f"unknown position code {t['pos']!r}")
+    _check(t["res"] in RESIDUAL_CODES, f"unknown residual code {t['res']!r}")
+    _check(t["ctx"] in CONTEXTS, f"unknown context {t['ctx']!r}")
+    _check(_is_int(t["e0"], -1, 4096) and _is_int(t["changed"], 0, n), "bad e0/changed")
+    _check(len(blocks) == (4 if t["pos"] == "rice" else 2), "wrong number of blocks")

@@ -1,0 +1,72 @@
+"""Deterministic per-output-row symmetric int8 quantization.
+
+One implementation for the trainer (which publishes int8 codes) and the
+rollout engine (which runs them): workers execute exactly the codes the
+trainer hashed, so the behaviour policy is known bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+SCALE_SUFFIX = "::scale"
+QMAX = 127
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8, same shape) and per-row float32 scales of a 2-D weight.
+
+    scale = max|row| / 127 in float32, codes = round-half-even(w / scale).
+    Every step is a correctly rounded IEEE operation on float32, so any
+    machine computes the same codes from the same input bits.
+    """
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_rows wants a 2-D float tensor, got {w.dtype} {tuple(w.shape)}")
+    w32 = w.detach().to(device="cpu", dtype=torch.float32)
+    scale = w32.abs().amax(dim=1) / QMAX
+    # An all-zero row keeps scale 0 and codes 0; dividing by 1 avoids 0/0.
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(w32 / safe[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.to(torch.float32) * scale.to(torch.float32)[:, None]
+
+
+def is_quantizable(t: torch.Tensor) -> bool:
+    return t.ndim == 2 and t.is_floating_point()
+
+
+def quantize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int8 view of a model state: 2-D float weights become codes + scales.
+
+    `name` holds the int8 codes and `name + "::scale"` the float32 row scales;
+    every other tensor (norms, biases) stays as it is.
+    Idempotent: an already-quantized state comes back as it is.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(SCALE_SUFFIX):
+            codes = state.get(name[: -len(SCALE_SUFFIX)])
+            if codes is None or codes.dtype != torch.int8:
+                raise ValueError(f"tensor name {name!r} collides with the int8 scale suffix")
+            out[name] = t
+        elif is_quantizable(t):
+            out[name], out[name + SCALE_SUFFIX] = quantize_rows(t)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantize_state(qstate: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float32 weights of an int8 state (codes × row scales), others unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in qstate.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = qstate.get(name + SCALE_SUFFIX)
+        out[name] = dequantize_rows(t, scale) if scale is not None else t
+    return out

@@ -1,0 +1,169 @@
+"""Round trips and edge cases of PULSE encode/apply."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from colonnade.pulse import (
+    PatchError,
+    apply,
+    encode,
+    prepare,
+    quantize_rows,
+    read_header,
+    state_sha256,
+)
+from colonnade.pulse import codec as codec_mod
+
+from pulse_helpers import bits_equal, perturb, random_tensor
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
+
+
+def round_trip(old, new, precision="exact"):
+    patch, stats = encode(old, new, precision=precision)
+    base = prepare(old, precision)
+    out = apply(base, patch)
+    assert bits_equal(out, prepare(new, precision))
+    return patch, stats
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.3, 0.7, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_any_shape_dtype_density(shape, dtype, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    old = {"w": random_tensor(tuple(shape), dtype, gen), "b": random_tensor((7,), dtype, gen)}
+    new = {k: perturb(v, density, gen) for k, v in old.items()}
+    _, stats = round_trip(old, new)
+    expect = sum(int((v.reshape(-1) != new[k].reshape(-1)).sum()) for k, v in old.items())
+    if dtype.is_floating_point:  # NaN-free inputs: bitwise and value change agree
+        assert stats.changed == sum(
+            int(np.count_nonzero(codec_mod.to_bits(v) != codec_mod.to_bits(new[k])))
+            for k, v in old.items()
+        )
+    else:
+        assert stats.changed == expect
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_precisions_round_trip(precision):
+    gen = torch.Generator().manual_seed(1)
+    old = {"lin.weight": torch.randn(64, 48, generator=gen) * 0.02, "norm": torch.ones(48)}
+    new = {"lin.weight": old["lin.weight"] + 1e-4 * torch.randn(64, 48, generator=gen),
+           "norm": old["norm"] + 1e-3}
+    patch, stats = round_trip(old, new, precision)
+    assert read_header(patch)["precision"] == precision
+    if precision == "int8":
+        held = prepare(new, "int8")
+        assert held["lin.weight"].dtype == torch.int8
+        assert held["lin.weight::scale"].dtype == torch.float32
+        assert held["norm"].dtype == torch.bfloat16
+
+
+def test_no_change_is_tiny_and_exact():
+    gen = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(256, 256, generator=gen).to(torch.bfloat16)}
+    patch, stats = round_trip(old, {"w": old["w"].clone()})
+    assert stats.changed == 0 and len(patch) < 400
+    assert read_header(patch)["tensors"] == []
+
+
+def test_new_dropped_dtype_and_shape_changes_travel_whole():
+    gen = torch.Generator().manual_seed(0)
+    old = {"keep": torch.randn(8, 8, generator=gen), "gone": torch.randn(3, generator=gen),
+           "retyped": torch.randn(4, generator=gen), "reshaped": torch.randn(4, 4, generator=gen)}
+    new = {"keep": old["keep"].clone(), "added": torch.randn(5, generator=gen),
+           "retyped": old["retyped"].to(torch.float16), "reshaped": old["reshaped"].reshape(2, 8)}
+    patch, _ = round_trip(old, new)
+    ops = {t["name"]: t["op"] for t in read_header(patch)["tensors"]}
+    assert ops == {"added": "full", "gone": "drop", "retyped": "full", "reshaped": "full"}
+
+
+def test_zero_dim_and_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(16, 12, generator=gen)
+    old = {"scalar": torch.tensor(1.5), "t": big.t()}  # transposed view: non-contiguous
+    new = {"scalar": torch.tensor(2.5), "t": (big + 1e-3).t()}
+    assert not old["t"].is_contiguous()
+    round_trip(old, new)
+
+
+def test_chunks_and_many_classes(monkeypatch):
+    # Small chunks exercise chunk boundaries the way >2^22-element tensors do.
+    monkeypatch.setattr(codec_mod, "CHUNK_ELEMS", 1000)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(7, 1111, generator=gen) * torch.logspace(-6, 0, 1111)
+    old = {"w": w.to(torch.bfloat16)}
+    new = {"w": (w + 1e-5 * torch.randn(7, 1111, generator=gen)).to(torch.bfloat16)}
+    patch, stats = round_trip(old, new)
+    assert read_header(patch)["chunk_elems"] == 1000 and stats.changed > 0
+
+
+def test_dense_change_prefers_mask():
+    gen = torch.Generator().manual_seed(0)
+    old = {"w": torch.randint(0, 2, (4096,), generator=gen, dtype=torch.int8)}
+    new = {"w": torch.randint(0, 2, (4096,), generator=gen, dtype=torch.int8)}
+    patch, stats = round_trip(old, new)
+    assert 0.4 < stats.density < 0.6
+    assert read_header(patch)["tensors"][0]["pos"] in ("mask", "rice")
+
+
+def test_positions_beyond_32_bits_fit_in_the_format():
+    # A >2^32-element tensor cannot be allocated in a test; the chunk index is
+    # 32-bit and chunk offsets are int64, so positions reach 2^32 * 2^22.
+    from colonnade.pulse.positions import GROUP_DTYPE
+
+    assert GROUP_DTYPE["chunk"].itemsize == 4
+    assert (2**32 - 1) * codec_mod.CHUNK_ELEMS > 2**40
+
+
+def test_hash_depends_on_names_dtypes_shapes_and_bits():
+    t = torch.arange(6, dtype=torch.float32)
+    base = state_sha256({"a": t})
+    assert base == state_sha256({"a": t.clone()})
+    assert base != state_sha256({"b": t})
+    assert base != state_sha256({"a": t.reshape(2, 3)})
+    assert base != state_sha256({"a": t.view(torch.int32)})
+    t2 = t.clone()
+    t2[3] = np.nextafter(np.float32(3), np.float32(4)).item()
+    assert base != state_sha256({"a": t2})
+    assert state_sha256({"a": t, "b": t}) == state_sha256({"b": t, "a": t})
+
+
+def test_quantizer_is_deterministic_and_symmetric():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=gen)
+    w[5] = 0
+    codes, scale = quantize_rows(w)
+    codes2, scale2 = quantize_rows(w.clone())
+    assert torch.equal(codes, codes2) and torch.equal(scale, scale2)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    assert scale[5] == 0 and int(codes[5].abs().max()) == 0
+    err = (codes.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_apply_rejects_wrong_base():
+    gen = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(100, generator=gen)}
+    new = {"w": old["w"] + 1}
+    patch = encode(old, new, precision="exact")[0]
+    with pytest.raises(PatchError, match="wrong base"):
+        apply({"w": old["w"] + 2}, patch)
+
+
+def test_apply_leaves_base_untouched_and_shares_unchanged():
+    gen = torch.Generator().manual_seed(0)
+    old = {"a": torch.randn(50, generator=gen), "b": torch.randn(50, generator=gen)}
+    new = {"a": old["a"] + 1, "b": old["b"]}
+    snapshot = {k: v.clone() for k, v in old.items()}
+    out = apply(old, encode(old, new, precision="exact")[0])
+    assert bits_equal(old, snapshot)
+    assert out["b"] is old["b"]

@@ -1,0 +1,133 @@
+"""Every damaged patch raises PatchError naming what is wrong; none yields a state."""
+
+import hashlib
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from colonnade.pulse import PatchError, apply, encode, prepare
+from colonnade.pulse import format as fmt
+
+
+def _states():
+    gen = torch.Generator().manual_seed(7)
+    old = {
+        "emb": torch.randn(64, 32, generator=gen) * 0.02,
+        "norm": torch.ones(32),
+        "head": torch.randn(16, 32, generator=gen) * 0.02,
+    }
+    new = {k: v + 3e-4 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
+    new["extra"] = torch.arange(10, dtype=torch.int32)
+    return old, new
+
+
+OLD, NEW = _states()
+BASE = prepare(OLD, "bf16")
+PATCH, _ = encode(OLD, NEW, precision="bf16")
+HEAD_LEN = struct.unpack_from("<I", PATCH, 12)[0]
+REGIONS = {
+    "magic": (0, 8),
+    "version": (8, 10),
+    "header_len": (12, 16),
+    "header": (16, 16 + HEAD_LEN),
+    "header_crc": (16 + HEAD_LEN, 20 + HEAD_LEN),
+    "payload": (20 + HEAD_LEN, len(PATCH) - 32),
+    "digest": (len(PATCH) - 32, len(PATCH)),
+}
+
+
+def test_intact_patch_applies():
+    apply(BASE, PATCH)
+
+
+@pytest.mark.parametrize("region", sorted(REGIONS))
+def test_bit_flip_in_every_region_is_caught(region):
+    lo, hi = REGIONS[region]
+    for pos in sorted({lo, (lo + hi) // 2, hi - 1}):
+        for bit in (0, 7):
+            bad = bytearray(PATCH)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(PatchError) as e:
+                apply(BASE, bytes(bad))
+            assert any(w in str(e.value) for w in ("corrupt", "truncated", "magic", "version"))
+
+
+@pytest.mark.parametrize("cut", [0, 5, 15, 16, 100, len(PATCH) // 2, len(PATCH) - 1])
+def test_truncation_is_reported_as_such(cut):
+    with pytest.raises(PatchError, match="truncated"):
+        apply(BASE, PATCH[:cut])
+
+
+def test_unknown_version_says_so():
+    bad = bytearray(PATCH)
+    struct.pack_into("<H", bad, 8, 99)
+    with pytest.raises(PatchError, match="unknown PULSE format version 99"):
+        apply(BASE, bytes(bad))
+
+
+def test_not_a_patch():
+    with pytest.raises(PatchError, match="bad magic"):
+        apply(BASE, b"PK\x03\x04" + b"\0" * 100)
+
+
+def _reseal(header_bytes: bytes, payload: bytes) -> bytes:
+    """A patch with valid checksums around arbitrary content: a lying sender."""
+    body = (struct.pack("<8sHHI", fmt.MAGIC, fmt.FORMAT_VERSION, 0, len(header_bytes))
+            + header_bytes + struct.pack("<I", zlib.crc32(header_bytes)) + payload)
+    return body + hashlib.sha256(body).digest()
+
+
+c = fmt.unpack(PATCH)
+HEADER_BYTES = bytes(memoryview(PATCH)[16 : 16 + HEAD_LEN])
+PAYLOAD = bytes(c.payload)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pos=st.integers(0, len(PAYLOAD) - 1), value=st.integers(0, 255))
+def test_resealed_payload_damage_never_returns_a_state(pos, value):
+    bad = bytearray(PAYLOAD)
+    if bad[pos] == value:
+        value ^= 0xFF
+    bad[pos] = value
+    with pytest.raises(PatchError):
+        apply(BASE, _reseal(HEADER_BYTES, bytes(bad)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pos=st.integers(0, len(HEADER_BYTES) - 1), value=st.integers(32, 126))
+def test_resealed_header_damage_never_crashes(pos, value):
+    bad = bytearray(HEADER_BYTES)
+    if bad[pos] == value:
+        return
+    bad[pos] = value
+    try:
+        out = apply(BASE, _reseal(bytes(bad), PAYLOAD))
+    except PatchError:
+        return
+    # A header edit that keeps the meaning (e.g. JSON whitespace) may apply,
+    # but then the result must be the right state, which its hash proves.
+    assert set(out) == set(prepare(NEW, "bf16"))
+
+
+def test_lying_header_fields_rejected():
+    import json
+
+    h = json.loads(HEADER_BYTES)
+    for mutate in (
+        lambda h: h.update(payload_bytes=h["payload_bytes"] + 1),
+        lambda h: h["tensors"][0].update(dtype="Q4"),
+        lambda h: h["tensors"][0].update(changed=-1),
+        lambda h: h["tensors"][0].update(shape=[2**30, 2**30]),
+        lambda h: h.update(precision="fp4"),
+        lambda h: h["tensors"].append(dict(h["tensors"][0])),
+    ):
+        hh = json.loads(HEADER_BYTES)
+        mutate(hh)
+        hb = json.dumps(hh).encode()
+        with pytest.raises(PatchError):
+            apply(BASE, _reseal(hb, PAYLOAD))
+    assert h  # the original header parsed
