@@ -7,8 +7,9 @@ from hypothesis.extra import numpy as hnp
 from colonnade.pulse import bitcodes
 
 
-@given(hnp.arrays(np.uint64, st.integers(0, 300), elements=st.integers(0, 5000)),
-       st.integers(0, 12))
+@given(
+    hnp.arrays(np.uint64, st.integers(0, 300), elements=st.integers(0, 5000)), st.integers(0, 12)
+)
 def test_rice_round_trip(values, k):
     unary, rem = bitcodes.rice_encode(values, k)
     assert unary.size + rem.size == bitcodes.rice_cost(values, k)
@@ -41,8 +42,9 @@ def test_gaps_round_trip(pos):
     assert np.array_equal(bitcodes.sorted_from_gaps(bitcodes.gaps_from_sorted(p)), p)
 
 
-@pytest.mark.parametrize("ut,ft", [(np.uint16, np.float16), (np.uint32, np.float32),
-                                   (np.uint64, np.float64)])
+@pytest.mark.parametrize(
+    "ut,ft", [(np.uint16, np.float16), (np.uint32, np.float32), (np.uint64, np.float64)]
+)
 def test_ordered_key_is_monotone_for_floats(ut, ft):
     vals = np.array([-np.inf, -3.0, -1e-3, -0.0, 0.0, 1e-3, 2.0, np.inf], dtype=ft)
     keys = bitcodes.ordered_key(vals.view(ut), True, False)
@@ -54,7 +56,8 @@ def test_one_ulp_is_one_key_step():
     x = np.array([1.0, -1.0, 0.0], dtype=np.float32)
     up = np.nextafter(x, np.float32(np.inf))
     d = bitcodes.ordered_key(up.view(np.uint32), True, False) - bitcodes.ordered_key(
-        x.view(np.uint32), True, False)
+        x.view(np.uint32), True, False
+    )
     # 0.0 → smallest subnormal is also one step.
     assert d.tolist() == [1, 1, 1]
 
@@ -70,8 +73,7 @@ def test_zigzag_values():
     assert bitcodes.zigzag(d).tolist() == [0, 1, 2, 3, 4]
 
 
-@given(hnp.arrays(st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
-                  st.integers(0, 50)))
+@given(hnp.arrays(st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]), st.integers(0, 50)))
 @settings(max_examples=50)
 def test_byte_planes_round_trip(v):
     data = bitcodes.byte_planes(v)

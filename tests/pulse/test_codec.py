@@ -16,7 +16,6 @@ from colonnade.pulse import (
     state_sha256,
 )
 from colonnade.pulse import codec as codec_mod
-
 from pulse_helpers import bits_equal, perturb, random_tensor
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
@@ -56,9 +55,11 @@ def test_round_trip_any_shape_dtype_density(shape, dtype, density, seed):
 def test_precisions_round_trip(precision):
     gen = torch.Generator().manual_seed(1)
     old = {"lin.weight": torch.randn(64, 48, generator=gen) * 0.02, "norm": torch.ones(48)}
-    new = {"lin.weight": old["lin.weight"] + 1e-4 * torch.randn(64, 48, generator=gen),
-           "norm": old["norm"] + 1e-3}
-    patch, stats = round_trip(old, new, precision)
+    new = {
+        "lin.weight": old["lin.weight"] + 1e-4 * torch.randn(64, 48, generator=gen),
+        "norm": old["norm"] + 1e-3,
+    }
+    patch, _stats = round_trip(old, new, precision)
     assert read_header(patch)["precision"] == precision
     if precision == "int8":
         held = prepare(new, "int8")
@@ -77,10 +78,18 @@ def test_no_change_is_tiny_and_exact():
 
 def test_new_dropped_dtype_and_shape_changes_travel_whole():
     gen = torch.Generator().manual_seed(0)
-    old = {"keep": torch.randn(8, 8, generator=gen), "gone": torch.randn(3, generator=gen),
-           "retyped": torch.randn(4, generator=gen), "reshaped": torch.randn(4, 4, generator=gen)}
-    new = {"keep": old["keep"].clone(), "added": torch.randn(5, generator=gen),
-           "retyped": old["retyped"].to(torch.float16), "reshaped": old["reshaped"].reshape(2, 8)}
+    old = {
+        "keep": torch.randn(8, 8, generator=gen),
+        "gone": torch.randn(3, generator=gen),
+        "retyped": torch.randn(4, generator=gen),
+        "reshaped": torch.randn(4, 4, generator=gen),
+    }
+    new = {
+        "keep": old["keep"].clone(),
+        "added": torch.randn(5, generator=gen),
+        "retyped": old["retyped"].to(torch.float16),
+        "reshaped": old["reshaped"].reshape(2, 8),
+    }
     patch, _ = round_trip(old, new)
     ops = {t["name"]: t["op"] for t in read_header(patch)["tensors"]}
     assert ops == {"added": "full", "gone": "drop", "retyped": "full", "reshaped": "full"}

@@ -6,6 +6,7 @@ import zlib
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,8 +77,12 @@ def test_not_a_patch():
 
 def _reseal(header_bytes: bytes, payload: bytes) -> bytes:
     """A patch with valid checksums around arbitrary content: a lying sender."""
-    body = (struct.pack("<8sHHI", fmt.MAGIC, fmt.FORMAT_VERSION, 0, len(header_bytes))
-            + header_bytes + struct.pack("<I", zlib.crc32(header_bytes)) + payload)
+    body = (
+        struct.pack("<8sHHI", fmt.MAGIC, fmt.FORMAT_VERSION, 0, len(header_bytes))
+        + header_bytes
+        + struct.pack("<I", zlib.crc32(header_bytes))
+        + payload
+    )
     return body + hashlib.sha256(body).digest()
 
 
@@ -116,7 +121,7 @@ def test_resealed_header_damage_never_crashes(pos, value):
 def test_lying_header_fields_rejected():
     import json
 
-    h = json.loads(HEADER_BYTES)
+    h = json.loads(zstandard.ZstdDecompressor().decompress(HEADER_BYTES))
     for mutate in (
         lambda h: h.update(payload_bytes=h["payload_bytes"] + 1),
         lambda h: h["tensors"][0].update(dtype="Q4"),
@@ -125,9 +130,9 @@ def test_lying_header_fields_rejected():
         lambda h: h.update(precision="fp4"),
         lambda h: h["tensors"].append(dict(h["tensors"][0])),
     ):
-        hh = json.loads(HEADER_BYTES)
+        hh = json.loads(zstandard.ZstdDecompressor().decompress(HEADER_BYTES))
         mutate(hh)
-        hb = json.dumps(hh).encode()
+        hb = zstandard.ZstdCompressor().compress(json.dumps(hh).encode())
         with pytest.raises(PatchError):
             apply(BASE, _reseal(hb, PAYLOAD))
     assert h  # the original header parsed

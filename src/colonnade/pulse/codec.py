@@ -21,13 +21,11 @@ import numpy as np
 import torch
 import zstandard
 
-from . import bitcodes, positions
+from . import positions, residuals
 from .context import choose_context, class_map
 from .format import pack
 from .quant import quantize_state
 from .tensors import (
-    FLOAT_DTYPES,
-    SIGNED_INT_DTYPES,
     dtype_name,
     state_sha256,
     to_bits,
@@ -87,19 +85,6 @@ def prepare(state: State, precision: str) -> dict[str, torch.Tensor]:
     return quantize_state(bf) if precision == "int8" else bf
 
 
-def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
-    return bitcodes.ordered_key(bits, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
-
-
-def _residual_block(old: np.ndarray, new: np.ndarray, idx: np.ndarray, dtype: str):
-    """The cheaper of the XOR and the key-delta residual, zstd-compressed."""
-    o, n = old[idx], new[idx]
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    xor = cctx.compress(bitcodes.byte_planes(o ^ n))
-    delta = cctx.compress(bitcodes.byte_planes(bitcodes.zigzag(_key(n, dtype) - _key(o, dtype))))
-    return ("delta", delta) if len(delta) < len(xor) else ("xor", xor)
-
-
 def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
     raw = to_bits(t).tobytes()
     packed = zstandard.ZstdCompressor(level=1).compress(raw)
@@ -141,7 +126,7 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
     dtype = dtype_name(new)
     ctx = choose_context(name, old, old_state)
     code, e0, idx, pos_blocks = _position_code(name, ctx, old_state, ob, mask, changed)
-    res, res_block = _residual_block(ob, nb, idx, dtype)
+    res, layout, res_blocks = residuals.encode_residual(ob[idx], nb[idx], dtype)
     entry = {
         "name": name,
         "op": "patch",
@@ -151,9 +136,10 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
         "e0": e0,
         "pos": code,
         "res": res,
+        "rlayout": layout,
         "changed": changed,
     }
-    blocks = [*pos_blocks, res_block]
+    blocks = [*pos_blocks, *res_blocks]
     entry["blocks"] = [len(b) for b in blocks]
     return entry, blocks, changed
 
@@ -214,11 +200,14 @@ def encode(
 def _count(stats: PatchStats, entry: dict, changed: int) -> None:
     stats.changed += changed
     stats.tensors_changed += 1
-    key = entry["op"] if entry["op"] != "patch" else f"{entry['pos']}+{entry['res']}"
+    key = entry["op"]
+    if key == "patch":
+        key = f"{entry['pos']}+{entry['res']}/{entry['rlayout']}"
     stats.codes[key] = stats.codes.get(key, 0) + 1
     if entry["op"] == "patch":
-        stats.position_bytes += sum(entry["blocks"][:-1])
-        stats.residual_bytes += entry["blocks"][-1]
+        n_pos = positions.POSITION_BLOCKS[entry["pos"]]
+        stats.position_bytes += sum(entry["blocks"][:n_pos])
+        stats.residual_bytes += sum(entry["blocks"][n_pos:])
 
 
 def diff(old: State, new: State, *, precision: str = "bf16", **hashes: str | None) -> bytes:

@@ -69,6 +69,7 @@ class ClassMap:
         self.ctx, self.dtype, self.bits, self.cols = ctx, dtype, base_bits, max(cols, 1)
         self.rows = exponent_field(scale_bits, "F32") if ctx == "rowscale" else None
         self.e0 = self._reference() if e0 is None else e0
+        self._table: np.ndarray | None = None
 
     def _reference(self) -> int:
         if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
@@ -82,11 +83,20 @@ class ClassMap:
             return 0
         return max(0, top - (N_CLASSES - 1))
 
+    def _lut(self) -> np.ndarray:
+        if self._table is None:
+            shift, mask = _EXPONENT[self.dtype]
+            top = np.arange(1 << (self.bits.dtype.itemsize * 8 - shift), dtype=np.int64)
+            self._table = np.clip((top & mask) - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
+        return self._table
+
     def classes(self, start: int, stop: int) -> np.ndarray:
         """uint8 class of each element in [start, stop) of the flattened tensor."""
         if self.ctx == "exp":
-            e = exponent_field(self.bits[start:stop], self.dtype)
-            return np.clip(e - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
+            # One table look-up on sign+exponent instead of shift, mask, clip, cast.
+            shift, _ = _EXPONENT[self.dtype]
+            ut = self.bits.dtype.type
+            return np.take(self._lut(), self.bits[start:stop] >> ut(shift))
         if self.ctx == "rowscale" and self.rows is not None:
             lo, hi = start // self.cols, -(-stop // self.cols)
             rows = np.clip(self.rows[lo:hi] - self.e0, 0, N_CLASSES - 1).astype(np.uint8)

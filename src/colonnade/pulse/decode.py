@@ -14,14 +14,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from . import bitcodes, positions
-from .codec import State, _key, _pool
+from . import positions, residuals
+from .codec import State, _pool
 from .context import class_map
 from .errors import PatchError
 from .format import unpack
 from .tensors import (
-    FLOAT_DTYPES,
-    SIGNED_INT_DTYPES,
     dtype_name,
     from_bits,
     itemsize,
@@ -52,18 +50,6 @@ def _decode_full(entry: dict, blocks: list[memoryview]) -> torch.Tensor:
     return from_bits(bits.copy(), entry["dtype"], shape)
 
 
-def _decode_residual(entry, block, old: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    size = old.dtype.itemsize
-    raw = positions.decompress(bytes(block), idx.size * size)
-    res = bitcodes.from_byte_planes(raw, idx.size, size).astype(old.dtype, copy=False)
-    o = old[idx]
-    if entry["res"] == "xor":
-        return o ^ res
-    dtype = entry["dtype"]
-    keys = _key(o, dtype) + bitcodes.unzigzag(res)
-    return bitcodes.from_ordered_key(keys, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
-
-
 def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int) -> torch.Tensor:
     name = entry["name"]
     old = base.get(name)
@@ -85,7 +71,8 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     if idx.size != entry["changed"]:
         raise ValueError(f"decoded {idx.size} changed elements, header says {entry['changed']}")
     nb = ob.copy()
-    nb[idx] = _decode_residual(entry, blocks[-1], ob, idx)
+    n_pos = positions.POSITION_BLOCKS[entry["pos"]]
+    nb[idx] = residuals.decode_residual(entry, blocks[n_pos:], ob[idx])
     return from_bits(nb, entry["dtype"], tuple(old.shape))
 
 

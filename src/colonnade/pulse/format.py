@@ -6,7 +6,7 @@ Layout (all integers little-endian; see docs/pulse-format.md):
     version      u16       FORMAT_VERSION
     flags        u16       0 (reserved)
     header_len   u32
-    header       JSON, utf-8, header_len bytes
+    header       zstd-compressed JSON (utf-8), header_len bytes
     header_crc   u32       CRC-32 of the header bytes
     payload      the tensors' blocks, back to back, in header order
     digest       32 bytes  SHA-256 of everything before it
@@ -25,6 +25,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
+
 from .errors import PatchError
 from .tensors import DTYPES
 
@@ -38,7 +40,9 @@ MAX_NAME_BYTES = 1024
 MAX_ELEMENTS = 1 << 48
 
 OPS = frozenset({"patch", "full", "drop"})
-POSITION_CODES = frozenset({"rice", "mask"})
+POSITION_BLOCKS = {"rice": 3, "mask": 1}
+RESIDUAL_LAYOUTS = {"planes": 1, "sym2": 2}
+POSITION_CODES = frozenset(POSITION_BLOCKS)
 RESIDUAL_CODES = frozenset({"xor", "delta"})
 CONTEXTS = frozenset({"exp", "rowscale", "none"})
 PRECISIONS = frozenset({"bf16", "int8", "exact"})
@@ -51,7 +55,10 @@ class Container:
 
 
 def pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
-    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    # Compressed: tensor names repeat their prefixes, and on a lightly changed
+    # model the header is a visible share of the patch.
+    head = zstandard.ZstdCompressor(level=9).compress(text)
     parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, _CRC.pack(zlib.crc32(head))]
     parts.extend(blocks)
     body = b"".join(parts)
@@ -96,7 +103,14 @@ def unpack(data: bytes | memoryview) -> Container:
 
 def _parse_header(head: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(head)
+        declared = zstandard.frame_content_size(head)
+        if declared < 0 or declared > MAX_HEADER_BYTES:
+            raise PatchError("corrupt patch: header size missing or over the limit")
+        text = zstandard.ZstdDecompressor().decompress(head, max_output_size=MAX_HEADER_BYTES)
+    except zstandard.ZstdError as e:
+        raise PatchError(f"corrupt patch: header does not decompress ({e})") from None
+    try:
+        header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PatchError(f"corrupt patch: header is not JSON ({e})") from None
     try:
@@ -161,4 +175,6 @@ def _validate_entry(t: Any) -> None:
     _check(t["res"] in RESIDUAL_CODES, f"unknown residual code {t['res']!r}")
     _check(t["ctx"] in CONTEXTS, f"unknown context {t['ctx']!r}")
     _check(_is_int(t["e0"], -1, 4096) and _is_int(t["changed"], 0, n), "bad e0/changed")
-    _check(len(blocks) == (4 if t["pos"] == "rice" else 2), "wrong number of blocks")
+    _check(t["rlayout"] in RESIDUAL_LAYOUTS, f"unknown residual layout {t['rlayout']!r}")
+    want = POSITION_BLOCKS[t["pos"]] + RESIDUAL_LAYOUTS[t["rlayout"]]
+    _check(len(blocks) == want, "wrong number of blocks")

@@ -24,6 +24,7 @@ import zstandard
 from . import bitcodes
 from .context import N_CLASSES, ClassMap
 
+POSITION_BLOCKS = {"rice": 3, "mask": 1}
 GROUP_DTYPE = np.dtype(
     [
         ("chunk", "<u4"),

@@ -1,0 +1,86 @@
+"""Coding the new bits of changed elements, given their old bits.
+
+Two exact transforms (never a float difference):
+- "xor": new XOR old;
+- "delta": zigzag of key(new) − key(old), key order-preserving, so a move of
+  one ulp is ±1 and costs about a bit where its XOR is a carry chain.
+Two layouts of the resulting nonzero integers:
+- "planes": little-endian byte planes, zstd;
+- "sym2": each value v ≥ 1 as a 2-bit symbol min(v−1, 3), four to a byte,
+  zstd; values ≥ 4 also go, minus 4, to an escape stream in byte planes.
+  Four symbols per byte let zstd's byte-wise Huffman stage spend under one
+  bit on a symbol, which it cannot do for a byte per symbol.
+The encoder keeps the smallest combination per tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from . import bitcodes
+from .positions import decompress
+from .tensors import FLOAT_DTYPES, SIGNED_INT_DTYPES
+
+ZSTD_LEVEL = 3
+LAYOUT_BLOCKS = {"planes": 1, "sym2": 2}
+
+
+def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return bitcodes.ordered_key(bits, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
+
+
+def _sym2(values: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
+    sym = np.minimum(values - values.dtype.type(1), 3).astype(np.uint8)
+    sym = np.concatenate([sym, np.zeros(-sym.size % 4, np.uint8)]).reshape(-1, 4)
+    packed = (sym[:, 0] << 6) | (sym[:, 1] << 4) | (sym[:, 2] << 2) | sym[:, 3]
+    escapes = values[values >= 4] - values.dtype.type(4)
+    return [cctx.compress(packed.tobytes()), cctx.compress(bitcodes.byte_planes(escapes))]
+
+
+def encode_residual(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[str, str, list[bytes]]:
+    """(transform, layout, blocks) of the smallest coding of new given old."""
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    best: tuple[str, str, list[bytes]] | None = None
+    for res, values in (
+        ("xor", old ^ new),
+        ("delta", bitcodes.zigzag(_key(new, dtype) - _key(old, dtype))),
+    ):
+        for layout, blocks in (
+            ("planes", [cctx.compress(bitcodes.byte_planes(values))]),
+            ("sym2", _sym2(values, cctx)),
+        ):
+            if best is None or sum(map(len, blocks)) < sum(map(len, best[2])):
+                best = (res, layout, blocks)
+    assert best is not None
+    return best
+
+
+def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:
+    packed = np.frombuffer(decompress(bytes(blocks[0]), -(-count // 4)), dtype=np.uint8)
+    if packed.size != -(-count // 4):
+        raise ValueError("residual symbols have the wrong length")
+    sym = np.stack([packed >> 6, (packed >> 4) & 3, (packed >> 2) & 3, packed & 3], axis=1)
+    values = sym.ravel()[:count].astype(ut) + ut(1)
+    esc = values == 4
+    n_esc = int(esc.sum())
+    size = np.dtype(ut).itemsize
+    raw = decompress(bytes(blocks[1]), n_esc * size)
+    values[esc] += bitcodes.from_byte_planes(raw, n_esc, size).astype(ut)
+    return values
+
+
+def decode_residual(entry: dict, blocks: list[memoryview], old: np.ndarray) -> np.ndarray:
+    """New bits of the changed elements whose old bits are `old`."""
+    ut = old.dtype.type
+    size = old.dtype.itemsize
+    if entry["rlayout"] == "sym2":
+        values = _unsym2(blocks, old.size, ut)
+    else:
+        raw = decompress(bytes(blocks[0]), old.size * size)
+        values = bitcodes.from_byte_planes(raw, old.size, size).astype(ut, copy=False)
+    if entry["res"] == "xor":
+        return old ^ values
+    dtype = entry["dtype"]
+    keys = _key(old, dtype) + bitcodes.unzigzag(values)
+    return bitcodes.from_ordered_key(keys, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
