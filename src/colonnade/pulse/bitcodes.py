@@ -55,6 +55,30 @@ def unary_decode(unary: np.ndarray, count: int) -> tuple[np.ndarray, int]:
     return q.astype(np.uint64), used
 
 
+class UnaryReader:
+    """Reads unary quotients off one bit stream, group after group.
+
+    The stream's zeros are found once; each read is then a slice of them.
+    """
+
+    def __init__(self, bits: np.ndarray) -> None:
+        self.zeros = np.flatnonzero(bits == 0)
+        self.taken = 0
+
+    def read(self, count: int) -> np.ndarray:
+        if self.taken + count > self.zeros.size:
+            raise ValueError("unary stream ends early")
+        z = self.zeros[max(0, self.taken - 1) : self.taken + count]
+        if self.taken == 0:
+            z = np.concatenate(([-1], z))
+        self.taken += count
+        return (np.diff(z) - 1).astype(np.uint64)
+
+    @property
+    def bits_used(self) -> int:
+        return int(self.zeros[self.taken - 1]) + 1 if self.taken else 0
+
+
 def fixed_decode(bits: np.ndarray, count: int, k: int) -> np.ndarray:
     """`count` big-endian k-bit integers from an unpacked bit stream."""
     if k == 0:

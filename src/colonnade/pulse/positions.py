@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from . import bitcodes
+from . import bitcodes, kernels
 from .context import N_CLASSES, ClassMap
 
 POSITION_BLOCKS = {"rice": 3, "mask": 1}
@@ -49,14 +49,13 @@ class RiceCode:
         return self.unary.size + self.remainder.size + self.groups.size * 8 * GROUP_DTYPE.itemsize
 
 
-def _chunk_groups(sorted_pos: np.ndarray, counts: np.ndarray):
-    """Per class: (class, class size, sorted changed ranks within the class)."""
-    offsets = np.concatenate(([0], np.cumsum(counts)))
-    cuts = np.searchsorted(sorted_pos, offsets)
+def _chunk_groups(order_cls: np.ndarray, ranks: np.ndarray, counts: np.ndarray):
+    """Per class with changes: (class, class size, its changed ranks, sorted)."""
+    cuts = np.searchsorted(order_cls, np.arange(N_CLASSES + 1))
     for c in range(N_CLASSES):
         lo, hi = cuts[c], cuts[c + 1]
         if hi > lo:
-            yield c, int(counts[c]), sorted_pos[lo:hi] - offsets[c]
+            yield c, int(counts[c]), ranks[lo:hi]
 
 
 def _complement(ranks: np.ndarray, size: int) -> np.ndarray:
@@ -73,11 +72,9 @@ def rice_encode(changed_mask: np.ndarray, cmap: ClassMap, chunk: int) -> RiceCod
         if not part.any():
             continue
         cls = cmap.classes(start, stop)
-        perm = np.argsort(cls, kind="stable")
-        counts = np.bincount(cls, minlength=N_CLASSES)
-        sorted_pos = np.flatnonzero(part[perm])
-        order.append(perm[sorted_pos] + start)
-        for c, size, ranks in _chunk_groups(sorted_pos, counts):
+        chunk_order, ranks_all, counts = kernels.class_ranks(part, cls)
+        order.append(chunk_order + start)
+        for c, size, ranks in _chunk_groups(cls[chunk_order], ranks_all, counts):
             invert = 2 * ranks.size > size
             coded = _complement(ranks, size) if invert else ranks
             gaps = bitcodes.gaps_from_sorted(coded)
@@ -125,33 +122,32 @@ def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
 def rice_decode(blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int) -> np.ndarray:
     """Changed indices in residual order; ValueError on any inconsistency."""
     groups = _unpack_groups(bytes(blocks[0]), n, chunk)
-    unary = np.unpackbits(np.frombuffer(blocks[1], dtype=np.uint8))
+    unary = bitcodes.UnaryReader(np.unpackbits(np.frombuffer(blocks[1], dtype=np.uint8)))
     rem = np.unpackbits(np.frombuffer(blocks[2], dtype=np.uint8))
-    out, u_off, r_off = [], 0, 0
+    out, r_off = [], 0
     for ci in np.unique(groups["chunk"]):
         start = int(ci) * chunk
         stop = min(n, start + chunk)
         cls = cmap.classes(start, stop)
-        perm = np.argsort(cls, kind="stable")
-        counts = np.bincount(cls, minlength=N_CLASSES)
-        offsets = np.concatenate(([0], np.cumsum(counts)))
-        parts = []
+        counts = kernels.class_counts(cls)
+        classes, parts = [], []
         for g in groups[groups["chunk"] == ci]:
             c, size, m, k = int(g["cls"]), int(counts[g["cls"]]), int(g["count"]), int(g["k"])
             if m == 0 or m > size:
                 raise ValueError("group count out of range")
             coded_n = size - m if g["invert"] else m
-            q, used = bitcodes.unary_decode(unary[u_off:], coded_n)
+            q = unary.read(coded_n)
             r = bitcodes.fixed_decode(rem[r_off:], coded_n, k)
-            u_off, r_off = u_off + used, r_off + coded_n * k
+            r_off += coded_n * k
             ranks = bitcodes.sorted_from_gaps((q << np.uint64(k)) | r)
             if ranks.size and ranks[-1] >= size:
                 raise ValueError("rank beyond its class")
             if g["invert"]:
                 ranks = _complement(ranks, size)
-            parts.append(ranks + offsets[c])
-        out.append(perm[np.concatenate(parts)] + start)
-    if -(-u_off // 8) != len(blocks[1]) or -(-r_off // 8) != len(blocks[2]):
+            classes.append(c)
+            parts.append(ranks)
+        out.append(kernels.scatter_ranks(cls, np.array(classes), parts) + start)
+    if -(-unary.bits_used // 8) != len(blocks[1]) or -(-r_off // 8) != len(blocks[2]):
         raise ValueError("position streams have unused bytes")
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
