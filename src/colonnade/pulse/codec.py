@@ -105,11 +105,13 @@ def _position_code(name, ctx, old_state, ob, mask, changed):
     rice = positions.rice_encode(mask, cmap, CHUNK_ELEMS)
     blocks = positions.rice_blocks(rice, ZSTD_LEVEL)
     code, idx = "rice", rice.order
+    classes = positions.residual_classes(rice.groups)
     if changed > MASK_TRY_DENSITY * mask.size:
         m = positions.mask_encode(mask, ZSTD_LEVEL)
         if len(m) < sum(map(len, blocks)):
             code, idx, blocks = "mask", np.flatnonzero(mask), [m]
-    return code, cmap.e0, idx, blocks
+            classes = np.zeros(idx.size, np.uint8)
+    return code, cmap.e0, idx, classes, blocks
 
 
 def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
@@ -125,8 +127,8 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
         return None
     dtype = dtype_name(new)
     ctx = choose_context(name, old, old_state)
-    code, e0, idx, pos_blocks = _position_code(name, ctx, old_state, ob, mask, changed)
-    res, layout, res_blocks = residuals.encode_residual(ob[idx], nb[idx], dtype)
+    code, e0, idx, classes, pos_blocks = _position_code(name, ctx, old_state, ob, mask, changed)
+    res, layout, res_blocks = residuals.encode_residual(ob[idx], nb[idx], dtype, classes)
     entry = {
         "name": name,
         "op": "patch",

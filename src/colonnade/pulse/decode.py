@@ -65,14 +65,15 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     ob = to_bits(old)
     if entry["pos"] == "rice":
         cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
-        idx = positions.rice_decode(blocks[:3], ob.size, cmap, chunk)
+        idx, classes = positions.rice_decode(blocks[:3], ob.size, cmap, chunk)
     else:
         idx = positions.mask_decode(blocks[0], ob.size)
+        classes = np.zeros(idx.size, np.uint8)
     if idx.size != entry["changed"]:
         raise ValueError(f"decoded {idx.size} changed elements, header says {entry['changed']}")
     nb = ob.copy()
     n_pos = positions.POSITION_BLOCKS[entry["pos"]]
-    nb[idx] = residuals.decode_residual(entry, blocks[n_pos:], ob[idx])
+    nb[idx] = residuals.decode_residual(entry, blocks[n_pos:], ob[idx], classes)
     return from_bits(nb, entry["dtype"], tuple(old.shape))
 
 

@@ -92,6 +92,11 @@ def rice_encode(changed_mask: np.ndarray, cmap: ClassMap, chunk: int) -> RiceCod
     )
 
 
+def residual_classes(groups: np.ndarray) -> np.ndarray:
+    """Context class of every residual, in residual order (class-major per chunk)."""
+    return np.repeat(groups["cls"], groups["count"].astype(np.int64))
+
+
 def rice_blocks(code: RiceCode, level: int) -> list[bytes]:
     cctx = zstandard.ZstdCompressor(level=level)
     return [
@@ -119,8 +124,10 @@ def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
     return g
 
 
-def rice_decode(blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int) -> np.ndarray:
-    """Changed indices in residual order; ValueError on any inconsistency."""
+def rice_decode(
+    blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Changed indices in residual order and their classes; ValueError on any inconsistency."""
     groups = _unpack_groups(bytes(blocks[0]), n, chunk)
     unary = bitcodes.UnaryReader(np.unpackbits(np.frombuffer(blocks[1], dtype=np.uint8)))
     rem = np.unpackbits(np.frombuffer(blocks[2], dtype=np.uint8))
@@ -149,7 +156,8 @@ def rice_decode(blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int) ->
         out.append(kernels.scatter_ranks(cls, np.array(classes), parts) + start)
     if -(-unary.bits_used // 8) != len(blocks[1]) or -(-r_off // 8) != len(blocks[2]):
         raise ValueError("position streams have unused bytes")
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+    idx = np.concatenate(out) if out else np.zeros(0, np.int64)
+    return idx, residual_classes(groups)
 
 
 def mask_encode(changed_mask: np.ndarray, level: int) -> bytes:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from . import bitcodes
+from . import bitcodes, rangecoder
 from .positions import decompress
 from .tensors import FLOAT_DTYPES, SIGNED_INT_DTYPES
 
 ZSTD_LEVEL = 3
-LAYOUT_BLOCKS = {"planes": 1, "sym2": 2}
+LAYOUT_BLOCKS = {"planes": 1, "sym2": 2, "rc": 2}
 
 
 def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -38,7 +38,14 @@ def _sym2(values: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
     return [cctx.compress(packed.tobytes()), cctx.compress(bitcodes.byte_planes(escapes))]
 
 
-def encode_residual(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[str, str, list[bytes]]:
+def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
+    escapes = values[values >= rangecoder.CHAIN + 1] - values.dtype.type(rangecoder.CHAIN + 1)
+    return [rangecoder.encode(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
+
+
+def encode_residual(
+    old: np.ndarray, new: np.ndarray, dtype: str, classes: np.ndarray
+) -> tuple[str, str, list[bytes]]:
     """(transform, layout, blocks) of the smallest coding of new given old."""
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     best: tuple[str, str, list[bytes]] | None = None
@@ -49,6 +56,7 @@ def encode_residual(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[str, 
         for layout, blocks in (
             ("planes", [cctx.compress(bitcodes.byte_planes(values))]),
             ("sym2", _sym2(values, cctx)),
+            *((("rc", _rc(values, classes, cctx)),) if rangecoder.COMPILED else ()),
         ):
             if best is None or sum(map(len, blocks)) < sum(map(len, best[2])):
                 best = (res, layout, blocks)
@@ -70,11 +78,25 @@ def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:
     return values
 
 
-def decode_residual(entry: dict, blocks: list[memoryview], old: np.ndarray) -> np.ndarray:
+def _unrc(blocks: list[memoryview], classes: np.ndarray, ut: type) -> np.ndarray:
+    values = rangecoder.decode(bytes(blocks[0]), classes).astype(ut)
+    esc = values == rangecoder.CHAIN + 1
+    n_esc = int(esc.sum())
+    size = np.dtype(ut).itemsize
+    raw = decompress(bytes(blocks[1]), n_esc * size)
+    values[esc] += bitcodes.from_byte_planes(raw, n_esc, size).astype(ut)
+    return values
+
+
+def decode_residual(
+    entry: dict, blocks: list[memoryview], old: np.ndarray, classes: np.ndarray
+) -> np.ndarray:
     """New bits of the changed elements whose old bits are `old`."""
     ut = old.dtype.type
     size = old.dtype.itemsize
-    if entry["rlayout"] == "sym2":
+    if entry["rlayout"] == "rc":
+        values = _unrc(blocks, classes, ut)
+    elif entry["rlayout"] == "sym2":
         values = _unsym2(blocks, old.size, ut)
     else:
         raw = decompress(bytes(blocks[0]), old.size * size)
