@@ -11,24 +11,37 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pulse", help="make and apply PULSE weight patches",
-                       description="Make and apply PULSE weight patches between "
-                       ".safetensors checkpoints. Lossless, checked by SHA-256.")
+    p = sub.add_parser(
+        "pulse",
+        help="make and apply PULSE weight patches",
+        description="Make and apply PULSE weight patches between "
+        ".safetensors checkpoints. Lossless, checked by SHA-256.",
+    )
     psub = p.add_subparsers(dest="pulse", metavar="ACTION", required=True)
-    d = psub.add_parser("diff", help="write the patch that turns OLD into NEW",
-                        description="Write the patch that turns OLD into NEW.")
+    d = psub.add_parser(
+        "diff",
+        help="write the patch that turns OLD into NEW",
+        description="Write the patch that turns OLD into NEW.",
+    )
     d.add_argument("old", type=Path, help="base checkpoint (.safetensors)")
     d.add_argument("new", type=Path, help="new checkpoint (.safetensors)")
     d.add_argument("-o", "--output", type=Path, required=True, help="patch file to write")
-    d.add_argument("--precision", choices=["bf16", "int8", "exact"], default="bf16",
-                   help="bf16: float tensors rounded to bf16 (default); int8: 2-D weights as "
-                   "per-row int8 codes + scales (what workers run); exact: dtypes as stored")
+    d.add_argument(
+        "--precision",
+        choices=["bf16", "int8", "exact"],
+        default="bf16",
+        help="bf16: float tensors rounded to bf16 (default); int8: 2-D weights as "
+        "per-row int8 codes + scales (what workers run); exact: dtypes as stored",
+    )
     d.add_argument("--json", action="store_true", help="print statistics as JSON")
     d.set_defaults(handler=_diff)
-    a = psub.add_parser("apply", help="rebuild the new checkpoint from BASE and PATCH",
-                        description="Rebuild the new checkpoint from BASE and PATCH; the "
-                        "result is verified against the SHA-256 in the patch before "
-                        "anything is written.")
+    a = psub.add_parser(
+        "apply",
+        help="rebuild the new checkpoint from BASE and PATCH",
+        description="Rebuild the new checkpoint from BASE and PATCH; the "
+        "result is verified against the SHA-256 in the patch before "
+        "anything is written.",
+    )
     a.add_argument("base", type=Path, help="base checkpoint (.safetensors)")
     a.add_argument("patch", type=Path, help="patch file")
     a.add_argument("-o", "--output", type=Path, required=True, help="checkpoint to write")
@@ -75,17 +88,27 @@ def _diff(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         raise CliError(str(e)) from None
     write_atomic(args.output, patch)
-    report = {"elements": stats.elements, "changed": stats.changed, "density": stats.density,
-              "patch_bytes": stats.patch_bytes, "full_bytes": stats.full_bytes,
-              "ratio": stats.ratio, "bits_per_changed": stats.bits_per_changed,
-              "precision": stats.precision, "result_sha256": stats.result_sha256}
+    report = {
+        "elements": stats.elements,
+        "changed": stats.changed,
+        "density": stats.density,
+        "patch_bytes": stats.patch_bytes,
+        "full_bytes": stats.full_bytes,
+        "ratio": stats.ratio,
+        "bits_per_changed": stats.bits_per_changed,
+        "precision": stats.precision,
+        "result_sha256": stats.result_sha256,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{args.output}: {stats.patch_bytes:,} bytes for {stats.changed:,} of "
-              f"{stats.elements:,} elements changed ({stats.density:.3%}); "
-              f"{stats.ratio:.4f} of the full {stats.full_bytes:,} bytes, "
-              f"{stats.bits_per_changed:.2f} bits per changed element", file=sys.stderr)
+        print(
+            f"{args.output}: {stats.patch_bytes:,} bytes for {stats.changed:,} of "
+            f"{stats.elements:,} elements changed ({stats.density:.3%}); "
+            f"{stats.ratio:.4f} of the full {stats.full_bytes:,} bytes, "
+            f"{stats.bits_per_changed:.2f} bits per changed element",
+            file=sys.stderr,
+        )
     return 0
 
 
