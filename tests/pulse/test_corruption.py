@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from colonnade.pulse import PatchError, apply, encode, prepare
 from colonnade.pulse import format as fmt
+from pulse_helpers import bits_equal
 
 
 def _states():
@@ -93,13 +94,18 @@ PAYLOAD = bytes(c.payload)
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pos=st.integers(0, len(PAYLOAD) - 1), value=st.integers(0, 255))
-def test_resealed_payload_damage_never_returns_a_state(pos, value):
+def test_resealed_payload_damage_never_returns_a_wrong_state(pos, value):
     bad = bytearray(PAYLOAD)
     if bad[pos] == value:
         value ^= 0xFF
     bad[pos] = value
-    with pytest.raises(PatchError):
-        apply(BASE, _reseal(HEADER_BYTES, bytes(bad)))
+    try:
+        out = apply(BASE, _reseal(HEADER_BYTES, bytes(bad)))
+    except PatchError:
+        return
+    # A byte the decoder never needs (e.g. range-coder flush slack) may change
+    # without effect; then the state must be exactly the right one.
+    assert bits_equal(out, prepare(NEW, "bf16"))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

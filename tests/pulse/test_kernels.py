@@ -48,11 +48,11 @@ def test_range_coder_round_trip_compiled_and_pure(n, seed, spread):
     rng = np.random.default_rng(seed)
     classes = rng.integers(0, 16, n)
     values = rng.geometric(spread, n).astype(np.uint64)
-    data = rangecoder.encode(values, classes)
-    assert np.array_equal(rangecoder.decode(data, classes), np.minimum(values, 16))
+    data = rangecoder.encode_values(values, classes)
+    assert np.array_equal(rangecoder.decode_values(data, classes), np.minimum(values, 16))
     # The uncompiled source is the fallback decoder: it must read the same bytes.
     out = np.empty(n, np.uint64)
-    used = rangecoder._decode(np.frombuffer(data, np.uint8), classes.astype(np.int64), out)
+    used = rangecoder._decode_values(np.frombuffer(data, np.uint8), classes.astype(np.int64), out)
     assert used >= 0 and np.array_equal(out, np.minimum(values, 16))
 
 
@@ -63,7 +63,7 @@ def test_range_coder_approaches_entropy():
     classes = rng.integers(0, 4, 50_000)
     values = rng.geometric(0.3 + 0.15 * classes).astype(np.uint64)
     values = np.minimum(values, 16)
-    bits = 8 * len(rangecoder.encode(values, classes))
+    bits = 8 * len(rangecoder.encode_values(values, classes))
     entropy = 0.0
     for c in range(4):
         _, cnt = np.unique(values[classes == c], return_counts=True)
@@ -77,6 +77,35 @@ def test_range_coder_rejects_truncation():
 
     classes = np.zeros(1000, np.int64)
     values = np.full(1000, 3, np.uint64)
-    data = rangecoder.encode(values, classes)
+    data = rangecoder.encode_values(values, classes)
     with pytest.raises(ValueError):
-        rangecoder.decode(data[:2], classes)
+        rangecoder.decode_values(data[:2], classes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200), max_size=6), seed=st.integers(0, 2**31))
+def test_gap_coder_round_trip_group_by_group(sizes, seed):
+    from colonnade.pulse import rangecoder
+
+    rng = np.random.default_rng(seed)
+    groups = [
+        (int(rng.integers(0, 16)), rng.geometric(rng.uniform(0.001, 0.9), n) - 1) for n in sizes
+    ]
+    gaps = np.concatenate([g for _, g in groups]) if groups else np.zeros(0)
+    classes = np.concatenate([np.full(g.size, c) for c, g in groups]) if groups else gaps
+    data = rangecoder.encode_gaps(gaps.astype(np.uint64), classes)
+    dec = rangecoder.GapDecoder(data)
+    for c, g in groups:
+        assert np.array_equal(dec.read(g.size, c), g.astype(np.uint64))
+    dec.check_used()
+
+
+def test_gap_coder_detects_truncation_and_big_gaps():
+    from colonnade.pulse import rangecoder
+
+    gaps = np.arange(500, dtype=np.uint64) * 1000
+    data = rangecoder.encode_gaps(gaps, np.zeros(500, np.int64))
+    with pytest.raises(ValueError):
+        rangecoder.GapDecoder(data[: len(data) // 2]).read(500, 0)
+    with pytest.raises(ValueError):
+        rangecoder.encode_gaps(np.array([2**50], np.uint64), np.zeros(1, np.int64))

@@ -63,16 +63,16 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     if entry["ctx"] == "rowscale" and name + "::scale" not in base:
         raise ValueError("rowscale context without a scale tensor in the base")
     ob = to_bits(old)
-    if entry["pos"] == "rice":
+    n_pos = positions.POSITION_BLOCKS[entry["pos"]]
+    if entry["pos"] in ("rice", "rcg"):
         cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
-        idx, classes = positions.rice_decode(blocks[:3], ob.size, cmap, chunk)
+        idx, classes = positions.grouped_decode(entry["pos"], blocks[:n_pos], ob.size, cmap, chunk)
     else:
         idx = positions.mask_decode(blocks[0], ob.size)
         classes = np.zeros(idx.size, np.uint8)
     if idx.size != entry["changed"]:
         raise ValueError(f"decoded {idx.size} changed elements, header says {entry['changed']}")
     nb = ob.copy()
-    n_pos = positions.POSITION_BLOCKS[entry["pos"]]
     nb[idx] = residuals.decode_residual(entry, blocks[n_pos:], ob[idx], classes)
     return from_bits(nb, entry["dtype"], tuple(old.shape))
 

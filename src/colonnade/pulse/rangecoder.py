@@ -1,20 +1,25 @@
-"""An adaptive binary range coder for residual symbols, by context class.
+"""An adaptive binary range coder, and the two symbol streams coded with it.
 
 Residual values are small (a changed weight mostly moved by one or two ulps)
-and their distribution depends on the element's context class: small
-magnitudes move by more ulps. zstd's byte-wise Huffman stage cannot spend
-under a bit on a symbol nor switch tables by class; this coder does both, and
-needs no tables in the stream: each (class, step) probability starts at 1/2
-and adapts as symbols go by, identically on both sides.
+and position gaps are roughly geometric; both distributions depend on the
+element's context class. zstd's byte-wise Huffman stage cannot spend under a
+bit on a symbol nor switch tables by class; this coder does both and needs no
+tables in the stream: each context's probability is estimated from counts of
+what went by, identically on both sides.
 
-The coder is LZMA's (carry propagation through a cached byte) with 12-bit
-probabilities from Krichevsky-Trofimov counts per context, halved past 8192
-so that old statistics fade slowly. A value v ≥ 1 is sent as a chain of
-binary decisions "v − 1 == j?" for j = 0..14, each with its own probability
-per class; v ≥ 16 leaves the chain and v − 16 goes to an escape stream.
+The coder is LZMA's (carry propagation through a cached byte, 32-bit range
+renormalised below 2^24, 5 flush bytes) with 12-bit probabilities:
+Krichevsky-Trofimov estimates from per-context counts, halved past 8192 so
+old statistics fade slowly. Two binarisations sit on top:
+
+- residual values v ≥ 1: decisions "v − 1 == j?" for j = 0..14, context
+  (class, j); v ≥ 16 leaves the chain and v − 16 goes to an escape stream.
+- gaps g ≥ 0: with x = g + 1 and L = bit_length(x) − 1, L in unary with
+  context (class, i), then the L bits of x below its leading one, most
+  significant first, with context (class, L, bit index).
 
 The loops are plain Python in numba's subset: compiled by numba where it is
-installed, run as they are otherwise (slow but exact: same bytes).
+installed, run as they are otherwise (slow, same bytes).
 """
 
 from __future__ import annotations
@@ -24,153 +29,254 @@ import os
 import numpy as np
 
 N_CLASSES = 16
-CHAIN = 15  # decisions per value before the escape
+CHAIN = 15  # decisions per residual value before the escape
+MAX_LEN = 48  # gaps below 2^48
 _BITS = 12
 _ONE = 1 << _BITS
-_LIMIT = 1 << 13  # counts are halved past this: old statistics fade slowly
+_LIMIT = 1 << 13
 _TOP = 1 << 24
+# Encoder state slots: low, range, cache, cache_size, bytes written.
+_LOW, _RNG, _CACHE, _CSIZE, _POS = range(5)
 
 
-def _p0(counts, c, j):
-    # Krichevsky-Trofimov estimate of P(stop at j), in 12 bits, never 0 or 1.
-    n0 = counts[c, j, 0]
-    n1 = counts[c, j, 1]
+def _p0(counts, i):
+    # Krichevsky-Trofimov estimate of P(bit = 0), in 12 bits, never 0 or 1.
+    n0 = counts[i, 0]
+    n1 = counts[i, 1]
     p = ((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2)
     return min(max(p, 1), _ONE - 1)
 
 
-def _update(counts, c, j, bit):
-    counts[c, j, bit] += 1
-    if counts[c, j, 0] + counts[c, j, 1] > _LIMIT:
-        counts[c, j, 0] = (counts[c, j, 0] + 1) >> 1
-        counts[c, j, 1] = (counts[c, j, 1] + 1) >> 1
+def _update(counts, i, bit):
+    counts[i, bit] += 1
+    if counts[i, 0] + counts[i, 1] > _LIMIT:
+        counts[i, 0] = (counts[i, 0] + 1) >> 1
+        counts[i, 1] = (counts[i, 1] + 1) >> 1
 
 
-def _encode(values, classes, out):  # values: uint64 ≥ 1; returns bytes written
-    counts = np.zeros((N_CLASSES, CHAIN, 2), np.int64)
-    low = 0
-    rng = 0xFFFFFFFF
-    cache = 0
-    cache_size = 1
-    pos = 0
-    for i in range(values.size):
-        c = classes[i]
-        target = values[i] - 1
-        for j in range(CHAIN):
-            bound = (rng >> _BITS) * _p0(counts, c, j)
-            if target == j:  # bit 0: stop here
-                rng = bound
-                _update(counts, c, j, 0)
-            else:
-                low += bound
-                rng -= bound
-                _update(counts, c, j, 1)
-            while rng < _TOP:
-                rng = (rng << 8) & 0xFFFFFFFF
-                if low < 0xFF000000 or low >= 0x100000000:
-                    carry = low >> 32
-                    temp = cache
-                    while cache_size > 0:
-                        out[pos] = (temp + carry) & 0xFF
-                        pos += 1
-                        temp = 0xFF
-                        cache_size -= 1
-                    cache = (low >> 24) & 0xFF
-                cache_size += 1
-                low = (low & 0x00FFFFFF) << 8
-            if target == j:
-                break
+def _shift_low(st, out):
+    low = st[_LOW]
+    if low < 0xFF000000 or low >= 0x100000000:
+        carry = low >> 32
+        temp = st[_CACHE]
+        while st[_CSIZE] > 0:
+            out[st[_POS]] = (temp + carry) & 0xFF
+            st[_POS] += 1
+            temp = 0xFF
+            st[_CSIZE] -= 1
+        st[_CACHE] = (low >> 24) & 0xFF
+    st[_CSIZE] += 1
+    st[_LOW] = (low & 0x00FFFFFF) << 8
+
+
+def _enc_bit(st, out, counts, i, bit):
+    bound = (st[_RNG] >> _BITS) * _p0(counts, i)
+    if bit == 0:
+        st[_RNG] = bound
+    else:
+        st[_LOW] += bound
+        st[_RNG] -= bound
+    _update(counts, i, bit)
+    while st[_RNG] < _TOP:
+        st[_RNG] = (st[_RNG] << 8) & 0xFFFFFFFF
+        _shift_low(st, out)
+
+
+def _enc_state():
+    st = np.zeros(5, np.int64)
+    st[_RNG] = 0xFFFFFFFF
+    st[_CSIZE] = 1
+    return st
+
+
+def _enc_flush(st, out):
     for _ in range(5):
-        if low < 0xFF000000 or low >= 0x100000000:
-            carry = low >> 32
-            temp = cache
-            while cache_size > 0:
-                out[pos] = (temp + carry) & 0xFF
-                pos += 1
-                temp = 0xFF
-                cache_size -= 1
-            cache = (low >> 24) & 0xFF
-        cache_size += 1
-        low = (low & 0x00FFFFFF) << 8
-    return pos
+        _shift_low(st, out)
+    return st[_POS]
 
 
-def _decode(data, classes, out):  # fills out (uint64); returns bytes read, or -1
-    counts = np.zeros((N_CLASSES, CHAIN, 2), np.int64)
+# Decoder state slots: range, code, bytes read, error flag.
+_DRNG, _CODE, _DPOS, _ERR = range(4)
+
+
+def _dec_state(data):
+    st = np.zeros(4, np.int64)
+    st[_DRNG] = 0xFFFFFFFF
     if data.size < 5:
-        return -1
-    rng = 0xFFFFFFFF
-    code = 0
-    pos = 0
-    for _ in range(5):
-        code = (code << 8) | int(data[pos])
-        pos += 1
-    for i in range(out.size):
-        c = classes[i]
-        j = 0
-        while j < CHAIN:
-            bound = (rng >> _BITS) * _p0(counts, c, j)
-            if code < bound:
-                rng = bound
-                _update(counts, c, j, 0)
-                stop = True
-            else:
-                code -= bound
-                rng -= bound
-                _update(counts, c, j, 1)
-                stop = False
-            while rng < _TOP:
-                if pos >= data.size:
-                    return -1
-                rng = (rng << 8) & 0xFFFFFFFF
-                code = ((code << 8) | int(data[pos])) & 0xFFFFFFFF
-                pos += 1
+        st[_ERR] = 1
+        return st
+    for k in range(5):
+        st[_CODE] = (st[_CODE] << 8) | int(data[k])
+    st[_DPOS] = 5
+    return st
+
+
+def _dec_bit(st, data, counts, i):
+    bound = (st[_DRNG] >> _BITS) * _p0(counts, i)
+    if st[_CODE] < bound:
+        st[_DRNG] = bound
+        bit = 0
+    else:
+        st[_CODE] -= bound
+        st[_DRNG] -= bound
+        bit = 1
+    _update(counts, i, bit)
+    while st[_DRNG] < _TOP:
+        if st[_DPOS] >= data.size:
+            st[_ERR] = 1
+            return bit
+        st[_DRNG] = (st[_DRNG] << 8) & 0xFFFFFFFF
+        st[_CODE] = ((st[_CODE] << 8) | int(data[st[_DPOS]])) & 0xFFFFFFFF
+        st[_DPOS] += 1
+    return bit
+
+
+def _encode_values(values, classes, out):
+    counts = np.zeros((N_CLASSES * CHAIN, 2), np.int64)
+    st = _enc_state()
+    for i in range(values.size):
+        target = values[i] - 1
+        base = classes[i] * CHAIN
+        for j in range(CHAIN):
+            stop = target == j
+            _enc_bit(st, out, counts, base + j, 0 if stop else 1)
             if stop:
                 break
+    return _enc_flush(st, out)
+
+
+def _decode_values(data, classes, out):
+    counts = np.zeros((N_CLASSES * CHAIN, 2), np.int64)
+    st = _dec_state(data)
+    for i in range(out.size):
+        base = classes[i] * CHAIN
+        j = 0
+        while j < CHAIN:
+            if _dec_bit(st, data, counts, base + j) == 0:
+                break
             j += 1
-        out[i] = j + 1  # j == CHAIN means "escape": the caller adds the rest
-    return pos
+        out[i] = j + 1  # j == CHAIN: an escape, the caller adds the rest
+        if st[_ERR]:
+            return -1
+    return st[_DPOS]
+
+
+def _encode_gaps(gaps, classes, out):
+    counts_len = np.zeros((N_CLASSES * MAX_LEN, 2), np.int64)
+    counts_bit = np.zeros((N_CLASSES * MAX_LEN * MAX_LEN, 2), np.int64)
+    st = _enc_state()
+    for i in range(gaps.size):
+        x = gaps[i] + 1
+        n = 0
+        while (x >> (n + 1)) > 0:
+            n += 1
+        c = classes[i]
+        for k in range(n):
+            _enc_bit(st, out, counts_len, c * MAX_LEN + k, 1)
+        if n < MAX_LEN - 1:
+            _enc_bit(st, out, counts_len, c * MAX_LEN + n, 0)
+        base = (c * MAX_LEN + n) * MAX_LEN
+        for b in range(n - 1, -1, -1):
+            _enc_bit(st, out, counts_bit, base + b, (x >> b) & 1)
+    return _enc_flush(st, out)
+
+
+def _decode_gaps(data, c, out, st, counts_len, counts_bit):
+    # Resumable: the caller keeps st and the counts between groups.
+    for i in range(out.size):
+        n = 0
+        while n < MAX_LEN - 1 and _dec_bit(st, data, counts_len, c * MAX_LEN + n) == 1:
+            n += 1
+        x = 1
+        base = (c * MAX_LEN + n) * MAX_LEN
+        for b in range(n - 1, -1, -1):
+            x = (x << 1) | _dec_bit(st, data, counts_bit, base + b)
+        out[i] = x - 1
+        if st[_ERR]:
+            return -1
+    return st[_DPOS]
 
 
 def _compile():
+    fns = (_encode_values, _decode_values, _encode_gaps, _decode_gaps)
     if os.environ.get("COLONNADE_NO_NUMBA") == "1":
-        return _encode, _decode
+        return fns
     try:
         import numba
     except ImportError:
-        return _encode, _decode
-    global _p0, _update
-    _p0 = numba.njit(cache=True, inline="always")(_p0)
-    _update = numba.njit(cache=True, inline="always")(_update)
-    return (
-        numba.njit(cache=True, nogil=True)(_encode),
-        numba.njit(cache=True, nogil=True)(_decode),
-    )
+        return fns
+    g = globals()
+    for name in (
+        "_p0",
+        "_update",
+        "_shift_low",
+        "_enc_bit",
+        "_enc_state",
+        "_enc_flush",
+        "_dec_state",
+        "_dec_bit",
+    ):
+        g[name] = numba.njit(cache=True, inline="always")(g[name])
+    return tuple(numba.njit(cache=True, nogil=True)(f) for f in fns)
 
 
-_ENC, _DEC = _compile()
-COMPILED = _ENC is not _encode
+_ENC_V, _DEC_V, _ENC_G, _DEC_G = _compile()
+_DEC_STATE = _dec_state
+COMPILED = _ENC_V is not _encode_values
 
 
-def encode(values: np.ndarray, classes: np.ndarray) -> bytes:
-    """Range-coded chain decisions of values (≥ 1); values ≥ 16 continue in an escape."""
-    v = values.astype(np.uint64, copy=False)
-    out = np.empty(v.size * 4 + 64, np.uint8)  # ≤ 15 decisions × ≤ 11 bits, seldom more
-    if v.size and int(v.min()) < 1:
-        raise ValueError("range coder values must be ≥ 1")
-    try:
-        n = _ENC(v, classes.astype(np.int64, copy=False), out)
-    except IndexError:  # only if pathological input outran the buffer
-        out = np.empty(v.size * 24 + 64, np.uint8)
-        n = _ENC(v, classes.astype(np.int64, copy=False), out)
+def _run_encoder(fn, symbols: np.ndarray, classes: np.ndarray, per_symbol: int) -> bytes:
+    out = np.empty(symbols.size * per_symbol + 64, np.uint8)
+    n = fn(symbols.astype(np.uint64, copy=False), classes.astype(np.int64, copy=False), out)
     return out[:n].tobytes()
 
 
-def decode(data: bytes, classes: np.ndarray) -> np.ndarray:
+def encode_values(values: np.ndarray, classes: np.ndarray) -> bytes:
+    """Range-coded residual values (≥ 1); values ≥ 16 need an escape stream too."""
+    if values.size and int(values.min()) < 1:
+        raise ValueError("range coder values must be ≥ 1")
+    # ≤ 15 decisions of ≤ 12 bits each: 23 bytes is a hard bound per value.
+    return _run_encoder(_ENC_V, values, classes, 23)
+
+
+def decode_values(data: bytes, classes: np.ndarray) -> np.ndarray:
     """Values (1..16; 16 = escape) of `classes.size` symbols; ValueError if short."""
     out = np.empty(classes.size, np.uint64)
-    buf = np.frombuffer(data, np.uint8)
-    used = _DEC(buf, classes.astype(np.int64, copy=False), out)
+    used = _DEC_V(np.frombuffer(data, np.uint8), classes.astype(np.int64, copy=False), out)
     if used < 0:
         raise ValueError("range-coded residuals end early")
     return out
+
+
+def encode_gaps(gaps: np.ndarray, classes: np.ndarray) -> bytes:
+    """Range-coded gaps (< 2^47), each with the context class of its group."""
+    if gaps.size and int(gaps.max()) >= 1 << (MAX_LEN - 1):
+        raise ValueError("gap too large for the range coder")
+    # ≤ 2·48 decisions of ≤ 12 bits each.
+    return _run_encoder(_ENC_G, gaps, classes, 145)
+
+
+class GapDecoder:
+    """Reads range-coded gaps group after group, each group with its class."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = np.frombuffer(data, np.uint8)
+        self.state = _DEC_STATE(self.data)
+        self.counts_len = np.zeros((N_CLASSES * MAX_LEN, 2), np.int64)
+        self.counts_bit = np.zeros((N_CLASSES * MAX_LEN * MAX_LEN, 2), np.int64)
+
+    def read(self, count: int, cls: int) -> np.ndarray:
+        if not 0 <= cls < N_CLASSES:
+            raise ValueError("class out of range")
+        out = np.empty(count, np.uint64)
+        if (
+            self.state[_ERR]
+            or _DEC_G(self.data, cls, out, self.state, self.counts_len, self.counts_bit) < 0
+        ):
+            raise ValueError("range-coded gaps end early")
+        return out
+
+    def check_used(self) -> None:
+        # The encoder's flush leaves at most 4 bytes the decoder never reads.
+        if self.data.size - int(self.state[_DPOS]) > 4:
+            raise ValueError("range-coded gaps have unused bytes")

@@ -40,7 +40,7 @@ def _sym2(values: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
 
 def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
     escapes = values[values >= rangecoder.CHAIN + 1] - values.dtype.type(rangecoder.CHAIN + 1)
-    return [rangecoder.encode(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
+    return [rangecoder.encode_values(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
 
 
 def encode_residual(
@@ -79,7 +79,7 @@ def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:
 
 
 def _unrc(blocks: list[memoryview], classes: np.ndarray, ut: type) -> np.ndarray:
-    values = rangecoder.decode(bytes(blocks[0]), classes).astype(ut)
+    values = rangecoder.decode_values(bytes(blocks[0]), classes).astype(ut)
     esc = values == rangecoder.CHAIN + 1
     n_esc = int(esc.sum())
     size = np.dtype(ut).itemsize
