@@ -176,20 +176,3 @@ def test_apply_leaves_base_untouched_and_shares_unchanged():
     out = apply(old, encode(old, new, precision="exact")[0])
     assert bits_equal(old, snapshot)
     assert out["b"] is old["b"]
-
-
-@pytest.mark.parametrize("only", ["rice", "rcg"])
-def test_each_grouped_position_code_round_trips(monkeypatch, only):
-    from colonnade.pulse import positions, rangecoder
-
-    if only == "rcg" and not rangecoder.COMPILED:
-        pytest.skip("rcg is only offered with numba")
-    other = "rice_blocks" if only == "rcg" else "rcg_blocks"
-    real = getattr(positions, other)
-    monkeypatch.setattr(positions, other, lambda gg, lv: [*real(gg, lv), b"\0" * 10**7])
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(300, 200, generator=gen) * 0.02
-    old = {"w": w.to(torch.bfloat16)}
-    new = {"w": (w + 3e-5 * torch.randn(300, 200, generator=gen)).to(torch.bfloat16)}
-    patch, _ = round_trip(old, new)
-    assert read_header(patch)["tensors"][0]["pos"] == only

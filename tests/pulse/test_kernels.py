@@ -80,32 +80,3 @@ def test_range_coder_rejects_truncation():
     data = rangecoder.encode_values(values, classes)
     with pytest.raises(ValueError):
         rangecoder.decode_values(data[:2], classes)
-
-
-@settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.integers(0, 200), max_size=6), seed=st.integers(0, 2**31))
-def test_gap_coder_round_trip_group_by_group(sizes, seed):
-    from colonnade.pulse import rangecoder
-
-    rng = np.random.default_rng(seed)
-    groups = [
-        (int(rng.integers(0, 16)), rng.geometric(rng.uniform(0.001, 0.9), n) - 1) for n in sizes
-    ]
-    gaps = np.concatenate([g for _, g in groups]) if groups else np.zeros(0)
-    classes = np.concatenate([np.full(g.size, c) for c, g in groups]) if groups else gaps
-    data = rangecoder.encode_gaps(gaps.astype(np.uint64), classes)
-    dec = rangecoder.GapDecoder(data)
-    for c, g in groups:
-        assert np.array_equal(dec.read(g.size, c), g.astype(np.uint64))
-    dec.check_used()
-
-
-def test_gap_coder_detects_truncation_and_big_gaps():
-    from colonnade.pulse import rangecoder
-
-    gaps = np.arange(500, dtype=np.uint64) * 1000
-    data = rangecoder.encode_gaps(gaps, np.zeros(500, np.int64))
-    with pytest.raises(ValueError):
-        rangecoder.GapDecoder(data[: len(data) // 2]).read(500, 0)
-    with pytest.raises(ValueError):
-        rangecoder.encode_gaps(np.array([2**50], np.uint64), np.zeros(1, np.int64))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import zstandard
 
-from . import positions, rangecoder, residuals
+from . import positions, residuals
 from .context import choose_context, class_map
 from .format import pack
 from .quant import quantize_state
@@ -104,10 +104,7 @@ def _position_code(name, ctx, old_state, ob, mask, changed):
     """The smallest position code: (code, e0, residual order, residual classes, blocks)."""
     cmap = class_map(name, ctx, old_state, ob)
     gg = positions.group_gaps(mask, cmap, CHUNK_ELEMS)
-    candidates = [("rice", positions.rice_blocks(gg, ZSTD_LEVEL))]
-    if rangecoder.COMPILED:  # uncompiled, the range coder is too slow to offer
-        candidates.append(("rcg", positions.rcg_blocks(gg, ZSTD_LEVEL)))
-    code, blocks = min(candidates, key=lambda cb: sum(map(len, cb[1])))
+    code, blocks = "rice", positions.rice_blocks(gg, ZSTD_LEVEL)
     idx, classes = gg.order, positions.residual_classes(gg.groups)
     if changed > MASK_TRY_DENSITY * mask.size:
         m = positions.mask_encode(mask, ZSTD_LEVEL)

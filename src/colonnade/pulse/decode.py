@@ -64,9 +64,9 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
         raise ValueError("rowscale context without a scale tensor in the base")
     ob = to_bits(old)
     n_pos = positions.POSITION_BLOCKS[entry["pos"]]
-    if entry["pos"] in ("rice", "rcg"):
+    if entry["pos"] == "rice":
         cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
-        idx, classes = positions.grouped_decode(entry["pos"], blocks[:n_pos], ob.size, cmap, chunk)
+        idx, classes = positions.rice_decode(blocks[:n_pos], ob.size, cmap, chunk)
     else:
         idx = positions.mask_decode(blocks[0], ob.size)
         classes = np.zeros(idx.size, np.uint8)

@@ -40,7 +40,7 @@ MAX_NAME_BYTES = 1024
 MAX_ELEMENTS = 1 << 48
 
 OPS = frozenset({"patch", "full", "drop"})
-POSITION_BLOCKS = {"rice": 3, "rcg": 2, "mask": 1}
+POSITION_BLOCKS = {"rice": 3, "mask": 1}
 RESIDUAL_LAYOUTS = {"planes": 1, "sym2": 2, "rc": 2}
 POSITION_CODES = frozenset(POSITION_BLOCKS)
 RESIDUAL_CODES = frozenset({"xor", "delta"})

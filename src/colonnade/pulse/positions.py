@@ -1,6 +1,6 @@
 """Coding the positions of changed elements.
 
-Three codes, the cheapest chosen per tensor:
+Two codes, the cheaper chosen per tensor:
 
 - "rice": per chunk of the flattened tensor, elements are ordered by context
   class (stable), and within each class the ranks of changed elements are
@@ -8,9 +8,6 @@ Three codes, the cheapest chosen per tensor:
   more than half of a class changed, the unchanged ranks are coded instead.
   Gaps of a geometric source are what Rice codes are near-optimal for, and the
   split into quotient and remainder streams decodes without a sequential loop.
-- "rcg": the same groups and gaps, range-coded with adaptive contexts per
-  class (see rangecoder): within ~1% of the grouped entropy, where Rice
-  spends a few percent more; Rice stays for builds without numba.
 - "mask": a bitmask over the whole tensor, zstd-compressed; for dense changes.
 
 Both return the changed indices in the order the residuals are stored: class
@@ -24,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from . import bitcodes, kernels, rangecoder
+from . import bitcodes, kernels
 from .context import N_CLASSES, ClassMap
 
-POSITION_BLOCKS = {"rice": 3, "rcg": 2, "mask": 1}
+POSITION_BLOCKS = {"rice": 3, "mask": 1}
 GROUP_DTYPE = np.dtype(
     [
         ("chunk", "<u4"),
@@ -63,7 +60,7 @@ def _complement(ranks: np.ndarray, size: int) -> np.ndarray:
 
 
 def group_gaps(changed_mask: np.ndarray, cmap: ClassMap, chunk: int) -> GroupedGaps:
-    """Rank gaps per (chunk, class): what both grouped position codes code."""
+    """Rank gaps per (chunk, class), the ranks inverted where more than half changed."""
     rows, gaps, order = [], [], []
     for ci, start in enumerate(range(0, changed_mask.size, chunk)):
         stop = min(changed_mask.size, start + chunk)
@@ -111,14 +108,6 @@ def rice_blocks(gg: GroupedGaps, level: int) -> list[bytes]:
     ]
 
 
-def rcg_blocks(gg: GroupedGaps, level: int) -> list[bytes]:
-    """[groups, range-coded gaps], each gap in the context of its group's class."""
-    classes = np.repeat(gg.groups["cls"], [g.size for g in gg.gaps]) if gg.gaps else np.zeros(0)
-    cctx = zstandard.ZstdCompressor(level=level)
-    stream = rangecoder.encode_gaps(_cat(gg.gaps, np.uint64), classes)
-    return [cctx.compress(gg.groups.tobytes()), stream]
-
-
 def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
     raw = _decompress(block, None)
     if len(raw) % GROUP_DTYPE.itemsize:
@@ -144,7 +133,7 @@ class _RiceReader:
         self.rem = np.unpackbits(np.frombuffer(blocks[1], dtype=np.uint8))
         self.r_off = 0
 
-    def read(self, count: int, k: int, cls: int) -> np.ndarray:
+    def read(self, count: int, k: int) -> np.ndarray:
         q = self.unary.read(count)
         r = bitcodes.fixed_decode(self.rem[self.r_off :], count, k)
         self.r_off += count * k
@@ -157,23 +146,12 @@ class _RiceReader:
             raise ValueError("position streams have unused bytes")
 
 
-class _RcgReader:
-    def __init__(self, blocks: list[memoryview]) -> None:
-        self.decoder = rangecoder.GapDecoder(bytes(blocks[0]))
-
-    def read(self, count: int, k: int, cls: int) -> np.ndarray:
-        return self.decoder.read(count, cls)
-
-    def check_used(self) -> None:
-        self.decoder.check_used()
-
-
-def grouped_decode(
-    code: str, blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int
+def rice_decode(
+    blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Changed indices in residual order and their classes; ValueError on any inconsistency."""
     groups = _unpack_groups(bytes(blocks[0]), n, chunk)
-    reader = _RiceReader(blocks[1:3]) if code == "rice" else _RcgReader(blocks[1:2])
+    reader = _RiceReader(blocks[1:3])
     out = []
     for ci in np.unique(groups["chunk"]):
         start = int(ci) * chunk
@@ -185,7 +163,7 @@ def grouped_decode(
             if m == 0 or m > size:
                 raise ValueError("group count out of range")
             coded_n = size - m if g["invert"] else m
-            ranks = bitcodes.sorted_from_gaps(reader.read(coded_n, int(g["k"]), c))
+            ranks = bitcodes.sorted_from_gaps(reader.read(coded_n, int(g["k"])))
             if ranks.size and ranks[-1] >= size:
                 raise ValueError("rank beyond its class")
             classes.append(c)

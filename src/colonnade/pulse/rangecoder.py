@@ -1,8 +1,8 @@
-"""An adaptive binary range coder, and the two symbol streams coded with it.
+"""An adaptive binary range coder for residual values, by context class.
 
 Residual values are small (a changed weight mostly moved by one or two ulps)
-and position gaps are roughly geometric; both distributions depend on the
-element's context class. zstd's byte-wise Huffman stage cannot spend under a
+and their distribution depends on the element's context class (small
+magnitudes move by more ulps). zstd's byte-wise Huffman stage cannot spend under a
 bit on a symbol nor switch tables by class; this coder does both and needs no
 tables in the stream: each context's probability is estimated from counts of
 what went by, identically on both sides.
@@ -10,13 +10,11 @@ what went by, identically on both sides.
 The coder is LZMA's (carry propagation through a cached byte, 32-bit range
 renormalised below 2^24, 5 flush bytes) with 12-bit probabilities:
 Krichevsky-Trofimov estimates from per-context counts, halved past 8192 so
-old statistics fade slowly. Two binarisations sit on top:
-
-- residual values v ≥ 1: decisions "v − 1 == j?" for j = 0..14, context
-  (class, j); v ≥ 16 leaves the chain and v − 16 goes to an escape stream.
-- gaps g ≥ 0: with x = g + 1 and L = bit_length(x) − 1, L in unary with
-  context (class, i), then the L bits of x below its leading one, most
-  significant first, with context (class, L, bit index).
+old statistics fade slowly. A value v ≥ 1 is sent as the decisions
+"v − 1 == j?" for j = 0..14, context (class, j); v ≥ 16 leaves the chain and
+v − 16 goes to an escape stream. (Position gaps coded the same way, with an
+Elias-gamma binarisation, came out no smaller than the Rice code: Rice is
+already near the entropy of geometric gaps, and was kept for its speed.)
 
 The loops are plain Python in numba's subset: compiled by numba where it is
 installed, run as they are otherwise (slow, same bytes).
@@ -30,7 +28,6 @@ import numpy as np
 
 N_CLASSES = 16
 CHAIN = 15  # decisions per residual value before the escape
-MAX_LEN = 48  # gaps below 2^48
 _BITS = 12
 _ONE = 1 << _BITS
 _LIMIT = 1 << 13
@@ -161,44 +158,8 @@ def _decode_values(data, classes, out):
     return st[_DPOS]
 
 
-def _encode_gaps(gaps, classes, out):
-    counts_len = np.zeros((N_CLASSES * MAX_LEN, 2), np.int64)
-    counts_bit = np.zeros((N_CLASSES * MAX_LEN * MAX_LEN, 2), np.int64)
-    st = _enc_state()
-    for i in range(gaps.size):
-        x = gaps[i] + 1
-        n = 0
-        while (x >> (n + 1)) > 0:
-            n += 1
-        c = classes[i]
-        for k in range(n):
-            _enc_bit(st, out, counts_len, c * MAX_LEN + k, 1)
-        if n < MAX_LEN - 1:
-            _enc_bit(st, out, counts_len, c * MAX_LEN + n, 0)
-        base = (c * MAX_LEN + n) * MAX_LEN
-        for b in range(n - 1, -1, -1):
-            _enc_bit(st, out, counts_bit, base + b, (x >> b) & 1)
-    return _enc_flush(st, out)
-
-
-def _decode_gaps(data, c, out, st, counts_len, counts_bit):
-    # Resumable: the caller keeps st and the counts between groups.
-    for i in range(out.size):
-        n = 0
-        while n < MAX_LEN - 1 and _dec_bit(st, data, counts_len, c * MAX_LEN + n) == 1:
-            n += 1
-        x = 1
-        base = (c * MAX_LEN + n) * MAX_LEN
-        for b in range(n - 1, -1, -1):
-            x = (x << 1) | _dec_bit(st, data, counts_bit, base + b)
-        out[i] = x - 1
-        if st[_ERR]:
-            return -1
-    return st[_DPOS]
-
-
 def _compile():
-    fns = (_encode_values, _decode_values, _encode_gaps, _decode_gaps)
+    fns = (_encode_values, _decode_values)
     if os.environ.get("COLONNADE_NO_NUMBA") == "1":
         return fns
     try:
@@ -220,8 +181,7 @@ def _compile():
     return tuple(numba.njit(cache=True, nogil=True)(f) for f in fns)
 
 
-_ENC_V, _DEC_V, _ENC_G, _DEC_G = _compile()
-_DEC_STATE = _dec_state
+_ENC_V, _DEC_V = _compile()
 COMPILED = _ENC_V is not _encode_values
 
 
@@ -246,37 +206,3 @@ def decode_values(data: bytes, classes: np.ndarray) -> np.ndarray:
     if used < 0:
         raise ValueError("range-coded residuals end early")
     return out
-
-
-def encode_gaps(gaps: np.ndarray, classes: np.ndarray) -> bytes:
-    """Range-coded gaps (< 2^47), each with the context class of its group."""
-    if gaps.size and int(gaps.max()) >= 1 << (MAX_LEN - 1):
-        raise ValueError("gap too large for the range coder")
-    # ≤ 2·48 decisions of ≤ 12 bits each.
-    return _run_encoder(_ENC_G, gaps, classes, 145)
-
-
-class GapDecoder:
-    """Reads range-coded gaps group after group, each group with its class."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = np.frombuffer(data, np.uint8)
-        self.state = _DEC_STATE(self.data)
-        self.counts_len = np.zeros((N_CLASSES * MAX_LEN, 2), np.int64)
-        self.counts_bit = np.zeros((N_CLASSES * MAX_LEN * MAX_LEN, 2), np.int64)
-
-    def read(self, count: int, cls: int) -> np.ndarray:
-        if not 0 <= cls < N_CLASSES:
-            raise ValueError("class out of range")
-        out = np.empty(count, np.uint64)
-        if (
-            self.state[_ERR]
-            or _DEC_G(self.data, cls, out, self.state, self.counts_len, self.counts_bit) < 0
-        ):
-            raise ValueError("range-coded gaps end early")
-        return out
-
-    def check_used(self) -> None:
-        # The encoder's flush leaves at most 4 bytes the decoder never reads.
-        if self.data.size - int(self.state[_DPOS]) > 4:
-            raise ValueError("range-coded gaps have unused bytes")
