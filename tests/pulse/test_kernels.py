@@ -10,34 +10,57 @@ from colonnade.pulse import kernels
 pytestmark = pytest.mark.skipif(kernels.BACKEND != "numba", reason="numba not importable here")
 
 
+def _source(mode, n, n_cls, rng):
+    """(bits, ClassSource, classes) for a random chunk under one class mode."""
+    bits = rng.integers(0, 2**16, n).astype(np.uint16)
+    lut = rng.integers(0, n_cls, 512).astype(np.uint8)
+    if mode == kernels.MODE_LUT:
+        cls = lut[bits >> 7]
+        return bits, kernels.ClassSource(mode, lut, 7, np.zeros(1, np.uint8)), cls
+    cls = rng.integers(0, n_cls, n).astype(np.uint8)
+    return bits, kernels.ClassSource(mode, np.zeros(1, np.uint8), 0, cls), cls
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     n=st.integers(0, 3000),
     density=st.floats(0, 1),
     n_cls=st.integers(1, 16),
+    mode=st.sampled_from([kernels.MODE_LUT, kernels.MODE_ARRAY]),
     seed=st.integers(0, 2**31),
 )
-def test_backends_agree(n, density, n_cls, seed):
+def test_backends_agree(n, density, n_cls, mode, seed):
     rng = np.random.default_rng(seed)
-    cls = rng.integers(0, n_cls, n).astype(np.uint8)
+    bits, src, cls = _source(mode, n, n_cls, rng)
     changed = rng.random(n) < density
-    a = kernels.class_ranks(changed, cls, backend="numpy")
-    b = kernels.class_ranks(changed, cls, backend="numba")
+    a = kernels.class_ranks(changed, bits, src, lambda: cls, backend="numpy")
+    b = kernels.class_ranks(changed, bits, src, lambda: cls, backend="numba")
     for x, y in zip(a, b, strict=True):
         assert np.array_equal(x, y)
-    order, ranks, counts = a
-    assert counts.sum() == n and order.size == changed.sum()
+    order, ranks, counts, per_class = a
+    assert counts.sum() == n and order.size == changed.sum() == per_class.sum()
+    assert np.array_equal(cls[order], np.repeat(np.arange(16), per_class))
+    for backend in ("numpy", "numba"):
+        got = kernels.class_counts(n, bits, src, lambda: cls, backend=backend)
+        assert np.array_equal(got, counts)
     # Inverse: scatter the ranks back to element indices.
-    classes = np.unique(cls[order]) if order.size else np.zeros(0, np.int64)
+    classes = [int(c) for c in np.unique(cls[order])]
     parts = [ranks[cls[order] == c] for c in classes]
     for backend in ("numpy", "numba"):
-        assert np.array_equal(kernels.scatter_ranks(cls, classes, parts, backend=backend), order)
+        got = kernels.scatter_ranks(n, bits, src, lambda: cls, classes, parts, backend=backend)
+        assert np.array_equal(got, order)
 
 
 def test_scatter_rejects_rank_beyond_class():
-    cls = np.zeros(10, np.uint8)
+    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
+    bits = np.zeros(10, np.uint16)
     with pytest.raises(ValueError):
-        kernels.scatter_ranks(cls, np.array([0]), [np.array([3, 12])], backend="numba")
+        kernels.scatter_ranks(10, bits, src, None, [0], [np.array([3, 12])], backend="numba")
+
+
+def test_max_field():
+    bits = np.array([0x3F80, 0xC100, 0x0001], dtype=np.uint16)  # 1.0, -8.0, tiny
+    assert kernels.max_field(bits, 7, 0xFF) == 0x82
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,11 +15,17 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from . import kernels
 from .quant import SCALE_SUFFIX
 from .tensors import FLOAT_DTYPES, dtype_name, to_bits
 
-N_CLASSES = 16
-CHUNK_SCAN = 1 << 22
+N_CLASSES = kernels.N_CLASSES
+_NONE = np.zeros(1, np.uint8)
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, np.uint8)
+
 
 # (shift, mask) of the exponent field per float dtype.
 _EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52, 0x7FF)}
@@ -75,10 +81,8 @@ class ClassMap:
         if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
             top = int(self.rows.max())
         elif self.ctx == "exp" and self.bits.size:
-            top = max(
-                int(exponent_field(self.bits[s : s + CHUNK_SCAN], self.dtype).max())
-                for s in range(0, self.bits.size, CHUNK_SCAN)
-            )
+            shift, mask = _EXPONENT[self.dtype]
+            top = kernels.max_field(self.bits, shift, mask)
         else:
             return 0
         return max(0, top - (N_CLASSES - 1))
@@ -89,6 +93,18 @@ class ClassMap:
             top = np.arange(1 << (self.bits.dtype.itemsize * 8 - shift), dtype=np.int64)
             self._table = np.clip((top & mask) - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
         return self._table
+
+    def source(self, start: int, stop: int) -> kernels.ClassSource:
+        """What the compiled kernels need to compute the classes of [start, stop)."""
+        if self.ctx == "exp":
+            shift, _ = _EXPONENT[self.dtype]
+            return kernels.ClassSource(kernels.MODE_LUT, self._lut(), shift, _NONE)
+        if self.ctx == "rowscale":
+            return kernels.ClassSource(kernels.MODE_ARRAY, _NONE, 0, self.classes(start, stop))
+        # One class: a table of zeros over the top 16 bits (or all 8 of a byte).
+        width = self.bits.dtype.itemsize * 8
+        shift = max(0, width - 16)
+        return kernels.ClassSource(kernels.MODE_LUT, _zeros(1 << (width - shift)), shift, _NONE)
 
     def classes(self, start: int, stop: int) -> np.ndarray:
         """uint8 class of each element in [start, stop) of the flattened tensor."""

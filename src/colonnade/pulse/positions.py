@@ -67,10 +67,15 @@ def group_gaps(changed_mask: np.ndarray, cmap: ClassMap, chunk: int) -> GroupedG
         part = changed_mask[start:stop]
         if not part.any():
             continue
-        cls = cmap.classes(start, stop)
-        chunk_order, ranks_all, counts = kernels.class_ranks(part, cls)
+        chunk_order, ranks_all, counts, per_class = kernels.class_ranks(
+            part,
+            cmap.bits[start:stop],
+            cmap.source(start, stop),
+            lambda start=start, stop=stop: cmap.classes(start, stop),
+        )
         order.append(chunk_order + start)
-        for c, size, ranks in _chunk_groups(cls[chunk_order], ranks_all, counts):
+        order_cls = np.repeat(np.arange(N_CLASSES), per_class)
+        for c, size, ranks in _chunk_groups(order_cls, ranks_all, counts):
             invert = 2 * ranks.size > size
             gaps.append(bitcodes.gaps_from_sorted(_complement(ranks, size) if invert else ranks))
             rows.append((ci, c, 0, int(invert), 0, ranks.size))
@@ -155,8 +160,17 @@ def rice_decode(
     out = []
     for ci in np.unique(groups["chunk"]):
         start = int(ci) * chunk
-        cls = cmap.classes(start, min(n, start + chunk))
-        counts = kernels.class_counts(cls)
+        stop = min(n, start + chunk)
+        # The numpy path computes the chunk's classes once, on first request.
+        cache: list[np.ndarray] = []
+
+        def classes_fn(start=start, stop=stop, cache=cache):
+            if not cache:
+                cache.append(cmap.classes(start, stop))
+            return cache[0]
+
+        bits, src = cmap.bits[start:stop], cmap.source(start, stop)
+        counts = kernels.class_counts(stop - start, bits, src, classes_fn)
         classes, parts = [], []
         for g in groups[groups["chunk"] == ci]:
             c, size, m = int(g["cls"]), int(counts[g["cls"]]), int(g["count"])
@@ -168,7 +182,9 @@ def rice_decode(
                 raise ValueError("rank beyond its class")
             classes.append(c)
             parts.append(_complement(ranks, size) if g["invert"] else ranks)
-        out.append(kernels.scatter_ranks(cls, np.array(classes), parts) + start)
+        out.append(
+            kernels.scatter_ranks(stop - start, bits, src, classes_fn, classes, parts) + start
+        )
     reader.check_used()
     idx = np.concatenate(out) if out else np.zeros(0, np.int64)
     return idx, residual_classes(groups)

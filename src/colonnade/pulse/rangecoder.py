@@ -32,130 +32,112 @@ _BITS = 12
 _ONE = 1 << _BITS
 _LIMIT = 1 << 13
 _TOP = 1 << 24
-# Encoder state slots: low, range, cache, cache_size, bytes written.
-_LOW, _RNG, _CACHE, _CSIZE, _POS = range(5)
 
-
-def _p0(counts, i):
-    # Krichevsky-Trofimov estimate of P(bit = 0), in 12 bits, never 0 or 1.
-    n0 = counts[i, 0]
-    n1 = counts[i, 1]
-    p = ((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2)
-    return min(max(p, 1), _ONE - 1)
-
-
-def _update(counts, i, bit):
-    counts[i, bit] += 1
-    if counts[i, 0] + counts[i, 1] > _LIMIT:
-        counts[i, 0] = (counts[i, 0] + 1) >> 1
-        counts[i, 1] = (counts[i, 1] + 1) >> 1
-
-
-def _shift_low(st, out):
-    low = st[_LOW]
-    if low < 0xFF000000 or low >= 0x100000000:
-        carry = low >> 32
-        temp = st[_CACHE]
-        while st[_CSIZE] > 0:
-            out[st[_POS]] = (temp + carry) & 0xFF
-            st[_POS] += 1
-            temp = 0xFF
-            st[_CSIZE] -= 1
-        st[_CACHE] = (low >> 24) & 0xFF
-    st[_CSIZE] += 1
-    st[_LOW] = (low & 0x00FFFFFF) << 8
-
-
-def _enc_bit(st, out, counts, i, bit):
-    bound = (st[_RNG] >> _BITS) * _p0(counts, i)
-    if bit == 0:
-        st[_RNG] = bound
-    else:
-        st[_LOW] += bound
-        st[_RNG] -= bound
-    _update(counts, i, bit)
-    while st[_RNG] < _TOP:
-        st[_RNG] = (st[_RNG] << 8) & 0xFFFFFFFF
-        _shift_low(st, out)
-
-
-def _enc_state():
-    st = np.zeros(5, np.int64)
-    st[_RNG] = 0xFFFFFFFF
-    st[_CSIZE] = 1
-    return st
-
-
-def _enc_flush(st, out):
-    for _ in range(5):
-        _shift_low(st, out)
-    return st[_POS]
-
-
-# Decoder state slots: range, code, bytes read, error flag.
-_DRNG, _CODE, _DPOS, _ERR = range(4)
-
-
-def _dec_state(data):
-    st = np.zeros(4, np.int64)
-    st[_DRNG] = 0xFFFFFFFF
-    if data.size < 5:
-        st[_ERR] = 1
-        return st
-    for k in range(5):
-        st[_CODE] = (st[_CODE] << 8) | int(data[k])
-    st[_DPOS] = 5
-    return st
-
-
-def _dec_bit(st, data, counts, i):
-    bound = (st[_DRNG] >> _BITS) * _p0(counts, i)
-    if st[_CODE] < bound:
-        st[_DRNG] = bound
-        bit = 0
-    else:
-        st[_CODE] -= bound
-        st[_DRNG] -= bound
-        bit = 1
-    _update(counts, i, bit)
-    while st[_DRNG] < _TOP:
-        if st[_DPOS] >= data.size:
-            st[_ERR] = 1
-            return bit
-        st[_DRNG] = (st[_DRNG] << 8) & 0xFFFFFFFF
-        st[_CODE] = ((st[_CODE] << 8) | int(data[st[_DPOS]])) & 0xFFFFFFFF
-        st[_DPOS] += 1
-    return bit
+# The loops below are written out in full, with scalar state: numba's inlined
+# helpers taking arrays paid reference counting per call (7x slower).
 
 
 def _encode_values(values, classes, out):
     counts = np.zeros((N_CLASSES * CHAIN, 2), np.int64)
-    st = _enc_state()
-    for i in range(values.size):
-        target = values[i] - 1
-        base = classes[i] * CHAIN
-        for j in range(CHAIN):
-            stop = target == j
-            _enc_bit(st, out, counts, base + j, 0 if stop else 1)
-            if stop:
-                break
-    return _enc_flush(st, out)
+    low = 0
+    rng = 0xFFFFFFFF
+    cache = 0
+    cache_size = 1
+    pos = 0
+    for i in range(values.size + 5):  # the last 5 rounds flush `low`
+        if i < values.size:
+            target = values[i] - 1
+            base = classes[i] * CHAIN
+            for j in range(CHAIN):
+                k = base + j
+                n0 = counts[k, 0]
+                n1 = counts[k, 1]
+                # Krichevsky-Trofimov estimate of P(stop), 12 bits, never 0 or 1.
+                p0 = min(max(((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2), 1), _ONE - 1)
+                bound = (rng >> _BITS) * p0
+                stop = target == j
+                if stop:
+                    rng = bound
+                    counts[k, 0] = n0 + 1
+                else:
+                    low += bound
+                    rng -= bound
+                    counts[k, 1] = n1 + 1
+                if n0 + n1 + 1 > _LIMIT:
+                    counts[k, 0] = (counts[k, 0] + 1) >> 1
+                    counts[k, 1] = (counts[k, 1] + 1) >> 1
+                while rng < _TOP:
+                    rng = (rng << 8) & 0xFFFFFFFF
+                    if low < 0xFF000000 or low >= 0x100000000:
+                        carry = low >> 32
+                        temp = cache
+                        while cache_size > 0:
+                            out[pos] = (temp + carry) & 0xFF
+                            pos += 1
+                            temp = 0xFF
+                            cache_size -= 1
+                        cache = (low >> 24) & 0xFF
+                    cache_size += 1
+                    low = (low & 0x00FFFFFF) << 8
+                if stop:
+                    break
+        else:
+            if low < 0xFF000000 or low >= 0x100000000:
+                carry = low >> 32
+                temp = cache
+                while cache_size > 0:
+                    out[pos] = (temp + carry) & 0xFF
+                    pos += 1
+                    temp = 0xFF
+                    cache_size -= 1
+                cache = (low >> 24) & 0xFF
+            cache_size += 1
+            low = (low & 0x00FFFFFF) << 8
+    return pos
 
 
 def _decode_values(data, classes, out):
+    # Fills out with values 1..16 (16: an escape, the caller adds the rest);
+    # returns the bytes read, or -1 if the stream ends early.
     counts = np.zeros((N_CLASSES * CHAIN, 2), np.int64)
-    st = _dec_state(data)
+    if data.size < 5:
+        return -1
+    rng = 0xFFFFFFFF
+    code = 0
+    for k in range(5):
+        code = (code << 8) | int(data[k])
+    pos = 5
     for i in range(out.size):
         base = classes[i] * CHAIN
         j = 0
         while j < CHAIN:
-            if _dec_bit(st, data, counts, base + j) == 0:
+            k = base + j
+            n0 = counts[k, 0]
+            n1 = counts[k, 1]
+            p0 = min(max(((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2), 1), _ONE - 1)
+            bound = (rng >> _BITS) * p0
+            stop = code < bound
+            if stop:
+                rng = bound
+                counts[k, 0] = n0 + 1
+            else:
+                code -= bound
+                rng -= bound
+                counts[k, 1] = n1 + 1
+            if n0 + n1 + 1 > _LIMIT:
+                counts[k, 0] = (counts[k, 0] + 1) >> 1
+                counts[k, 1] = (counts[k, 1] + 1) >> 1
+            while rng < _TOP:
+                if pos >= data.size:
+                    return -1
+                rng = (rng << 8) & 0xFFFFFFFF
+                code = ((code << 8) | int(data[pos])) & 0xFFFFFFFF
+                pos += 1
+            if stop:
                 break
             j += 1
-        out[i] = j + 1  # j == CHAIN: an escape, the caller adds the rest
-        if st[_ERR]:
-            return -1
-    return st[_DPOS]
+        out[i] = j + 1
+    return pos
 
 
 def _compile():
@@ -166,18 +148,6 @@ def _compile():
         import numba
     except ImportError:
         return fns
-    g = globals()
-    for name in (
-        "_p0",
-        "_update",
-        "_shift_low",
-        "_enc_bit",
-        "_enc_state",
-        "_enc_flush",
-        "_dec_state",
-        "_dec_bit",
-    ):
-        g[name] = numba.njit(cache=True, inline="always")(g[name])
     return tuple(numba.njit(cache=True, nogil=True)(f) for f in fns)
 
 
