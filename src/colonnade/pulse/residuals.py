@@ -4,13 +4,15 @@ Two exact transforms (never a float difference):
 - "xor": new XOR old;
 - "delta": zigzag of key(new) − key(old), key order-preserving, so a move of
   one ulp is ±1 and costs about a bit where its XOR is a carry chain.
-Two layouts of the resulting nonzero integers:
+Three layouts of the resulting nonzero integers:
 - "planes": little-endian byte planes, zstd;
 - "sym2": each value v ≥ 1 as a 2-bit symbol min(v−1, 3), four to a byte,
   zstd; values ≥ 4 also go, minus 4, to an escape stream in byte planes.
   Four symbols per byte let zstd's byte-wise Huffman stage spend under one
   bit on a symbol, which it cannot do for a byte per symbol.
-The encoder keeps the smallest combination per tensor.
+- "rc": the context-adaptive range coder (rangecoder.py), by context class;
+  within ~1% of the per-class entropy. Needs numba to encode at speed.
+The encoder keeps the smallest combination it tries per tensor (see _candidates).
 """
 
 from __future__ import annotations
@@ -43,25 +45,31 @@ def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor)
     return [rangecoder.encode_values(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
 
 
+def _candidates(old, new, dtype, classes, cctx):
+    """(transform, layout, blocks) worth trying, lazily.
+
+    With the compiled range coder, the key delta in `rc` wins on every
+    optimizer step we measured; XOR planes stay as the fallback for changes
+    that are not small moves (new random values, flipped bits). Without it,
+    the zstd layouts of both transforms compete.
+    """
+    delta = bitcodes.zigzag(_key(new, dtype) - _key(old, dtype))
+    xor = old ^ new
+    yield "xor", "planes", [cctx.compress(bitcodes.byte_planes(xor))]
+    if rangecoder.COMPILED:
+        yield "delta", "rc", _rc(delta, classes, cctx)
+        return
+    yield "delta", "planes", [cctx.compress(bitcodes.byte_planes(delta))]
+    yield "delta", "sym2", _sym2(delta, cctx)
+    yield "xor", "sym2", _sym2(xor, cctx)
+
+
 def encode_residual(
     old: np.ndarray, new: np.ndarray, dtype: str, classes: np.ndarray
 ) -> tuple[str, str, list[bytes]]:
     """(transform, layout, blocks) of the smallest coding of new given old."""
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    best: tuple[str, str, list[bytes]] | None = None
-    for res, values in (
-        ("xor", old ^ new),
-        ("delta", bitcodes.zigzag(_key(new, dtype) - _key(old, dtype))),
-    ):
-        for layout, blocks in (
-            ("planes", [cctx.compress(bitcodes.byte_planes(values))]),
-            ("sym2", _sym2(values, cctx)),
-            *((("rc", _rc(values, classes, cctx)),) if rangecoder.COMPILED else ()),
-        ):
-            if best is None or sum(map(len, blocks)) < sum(map(len, best[2])):
-                best = (res, layout, blocks)
-    assert best is not None
-    return best
+    return min(_candidates(old, new, dtype, classes, cctx), key=lambda c: sum(map(len, c[2])))
 
 
 def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:

@@ -1,0 +1,441 @@
+"""`colonnade bench pulse`: PULSE patches against full checkpoints and peers.
+
+Realistic versions come from real training: a transformers Llama of ≥50M
+parameters (random init), fp32 master weights, AdamW on a next-token loss,
+bf16 published after every step. For each learning rate, consecutive
+versions are encoded side by side as:
+
+  (a) a full safetensors checkpoint,
+  (b) a TRL-style patch: safetensors of int32 flat indices + bf16 values,
+  (c) (b) compressed with zstd -3,
+  (d) grail-style COO: int32 indices + bf16 values, zstd -1,
+  (e) PULSE (ours), and PULSE at int8 precision,
+
+with the order-0 entropy bound (n·H(p) per tensor for positions plus the
+empirical entropy of the XOR residual's byte planes), and the time to encode
+and apply ours against writing and reading the full checkpoint. Every patch
+is applied back and compared bit for bit; a mismatch aborts the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+State = dict[str, torch.Tensor]
+TARGETS = {  # name: (description, ratio key, limit)
+    "vs_trl": ("ours ≤ 1/4 of TRL-style (b)", "ours_over_trl", 0.25),
+    "vs_bound": ("ours ≤ 0.9× the order-0 entropy bound", "ours_over_bound", 0.9),
+    "vs_grail": ("ours ≤ 0.4× grail-style (d)", "ours_over_grail", 0.4),
+    "time": ("encode+apply ≤ 0.5× full write+read", "time_ratio", 0.5),
+    "memory": ("peak memory ≤ 2.5× the bf16 model", "peak_mem_over_bf16", 2.5),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench pulse {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=[1e-6, 3e-6, 1e-5],
+        help="AdamW learning rates to publish versions at (default: 1e-6 3e-6 1e-5)",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2,
+        help="optimizer steps before measuring: Adam's first steps are atypical",
+    )
+    p.add_argument("--steps", type=int, default=3, help="measured versions per lr (default 3)")
+    p.add_argument("--quick", action="store_true", help="a ~5M-parameter model, 1 lr, 2 steps")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=Path("bench/out/pulse.json"),
+        help="where to write the results (default bench/out/pulse.json)",
+    )
+    p.add_argument("--markdown", type=Path, help="also write the table as markdown here")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_model(quick: bool, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    dims = (
+        dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, vocab_size=8000)
+        if quick
+        else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, vocab_size=32000)
+    )
+    cfg = transformers.LlamaConfig(
+        num_attention_heads=8 if not quick else 4,
+        num_key_value_heads=8 if not quick else 4,
+        tie_word_embeddings=False,
+        **dims,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    return model, cfg
+
+
+def token_batches(vocab: int, seed: int, batch: int = 4, seq: int = 64):
+    """A Zipf-distributed token stream with repeated phrases: a learnable LM loss."""
+    rng = np.random.default_rng(seed)
+    phrases = rng.zipf(1.3, size=(256, 8)) % vocab
+    while True:
+        idx = rng.integers(0, 256, size=(batch, seq // 8))
+        yield torch.from_numpy(phrases[idx].reshape(batch, seq)).long()
+
+
+def publish(model) -> State:
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+
+
+def train_versions(args, lr: float) -> tuple[list[State], int]:
+    """bf16 versions after warmup + steps AdamW steps at lr, from the same init."""
+    model, cfg = build_model(args.quick, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    batches = token_batches(cfg.vocab_size, args.seed + 1)
+    versions = []
+    for step in range(args.warmup_steps + args.steps):
+        x = next(batches)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= args.warmup_steps - 1:
+            versions.append(publish(model))
+        log(f"lr {lr:g}: step {step + 1}/{args.warmup_steps + args.steps}")
+    return versions, n_params
+
+
+def _changed(old: State, new: State):
+    """Per tensor: (name, flat changed indices, old bits, new bits)."""
+    from colonnade.pulse.tensors import to_bits
+
+    for name in sorted(new):
+        ob, nb = to_bits(old[name]), to_bits(new[name])
+        yield name, np.flatnonzero(ob != nb), ob, nb
+
+
+def peer_sizes(old: State, new: State) -> dict[str, int]:
+    """Bytes of TRL-style (b), (b)+zstd (c) and grail-style COO+zstd-1 (d) patches."""
+    from safetensors.torch import save
+
+    trl: State = {}
+    coo = []
+    for name, idx, _ob, _nb in _changed(old, new):
+        if idx.size == 0:
+            continue
+        values = new[name].reshape(-1)[torch.from_numpy(idx)]
+        trl[f"{name}.idx"] = torch.from_numpy(idx.astype(np.int32))
+        trl[f"{name}.val"] = values.contiguous()
+        coo.append(idx.astype(np.int32).tobytes() + values.view(torch.int16).numpy().tobytes())
+    b = save(trl) if trl else b""
+    return {
+        "trl": len(b),
+        "trl_zstd": len(zstandard.ZstdCompressor(level=3).compress(b)),
+        "grail": len(zstandard.ZstdCompressor(level=1).compress(b"".join(coo))),
+    }
+
+
+def _binary_entropy(p: float) -> float:
+    if p <= 0 or p >= 1:
+        return 0.0
+    return float(-(p * np.log2(p) + (1 - p) * np.log2(1 - p)))
+
+
+def _byte_entropy_bits(b: np.ndarray) -> float:
+    counts = np.bincount(b, minlength=256)
+    q = counts[counts > 0] / b.size
+    return float(-(q * np.log2(q)).sum() * b.size)
+
+
+def entropy_bound_bits(old: State, new: State) -> tuple[float, int, int]:
+    """(order-0 bound in bits, changed elements, all elements)."""
+    bits, changed, total = 0.0, 0, 0
+    for _name, idx, ob, nb in _changed(old, new):
+        total += ob.size
+        if idx.size == 0:
+            continue
+        changed += idx.size
+        bits += ob.size * _binary_entropy(idx.size / ob.size)
+        planes = (ob[idx] ^ nb[idx]).view(np.uint8).reshape(idx.size, -1)
+        bits += sum(_byte_entropy_bits(planes[:, j]) for j in range(planes.shape[1]))
+    return bits, changed, total
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 2 ms."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def time_full(new: State, tmpdir: str) -> dict[str, float]:
+    """Seconds to write and read the full checkpoint, and to hash the state."""
+    from safetensors.torch import load_file, save_file
+
+    from colonnade.pulse import state_sha256
+
+    path = os.path.join(tmpdir, "full.safetensors")
+    t0 = time.perf_counter()
+    save_file(new, path)
+    t1 = time.perf_counter()
+    loaded = load_file(path)
+    touched = sum(float(v.float().sum()) for v in loaded.values())  # really read it
+    t2 = time.perf_counter()
+    state_sha256(new)
+    t3 = time.perf_counter()
+    del loaded, touched
+    return {
+        "full_write_s": t1 - t0,
+        "full_read_s": t2 - t1,
+        "state_hash_s": t3 - t2,
+        "full_bytes": os.path.getsize(path),
+    }
+
+
+def _bits_equal(a: State, b: State) -> bool:
+    from colonnade.pulse.tensors import to_bits
+
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and np.array_equal(to_bits(a[k]), to_bits(b[k])) for k in a
+    )
+
+
+def measure_ours(old: State, new: State, base_sha: str) -> dict[str, float]:
+    """Encode and apply at bf16 (timed, memory-sampled, verified), then int8 sizes."""
+    from colonnade.pulse import apply, encode, prepare
+
+    # Encode holds old and new (the trainer has both); apply holds the base
+    # and builds the result (a worker has nothing else): sampled separately.
+    with PeakRSS() as mem_enc:
+        t0 = time.perf_counter()
+        patch, stats = encode(old, new, precision="bf16", base_sha256=base_sha)
+        t1 = time.perf_counter()
+    with PeakRSS() as mem_app:
+        t1b = time.perf_counter()
+        rebuilt = apply(old, patch, base_sha256=base_sha)
+        t2 = time.perf_counter()
+    if not _bits_equal(rebuilt, new):
+        raise SystemExit("PULSE round trip is not bit-exact: aborting the benchmark")
+    del rebuilt
+    q_old, q_new = prepare(old, "int8"), prepare(new, "int8")
+    q_patch, q_stats = encode(q_old, q_new, precision="exact")
+    if not _bits_equal(apply(q_old, q_patch), q_new):
+        raise SystemExit("PULSE int8 round trip is not bit-exact: aborting the benchmark")
+    return {
+        "ours": len(patch),
+        "encode_s": t1 - t0,
+        "apply_s": t2 - t1b,
+        "encode_extra_bytes": mem_enc.extra,
+        "apply_extra_bytes": mem_app.extra,
+        "position_bytes": stats.position_bytes,
+        "residual_bytes": stats.residual_bytes,
+        "result_sha256": stats.result_sha256,
+        "int8_ours": len(q_patch),
+        "int8_full_bytes": q_stats.full_bytes,
+        "int8_density": q_stats.density,
+    }
+
+
+def measure_pair(old: State, new: State, base_sha: str, tmpdir: str) -> dict[str, float]:
+    row = measure_ours(old, new, base_sha)
+    bound, changed, total = entropy_bound_bits(old, new)
+    row.update(peer_sizes(old, new))
+    row.update(time_full(new, tmpdir))
+    row.update(
+        changed=changed,
+        elements=total,
+        density=changed / total,
+        bound_bytes=bound / 8,
+        ours_bits_per_changed=8 * row["ours"] / max(changed, 1),
+        bound_bits_per_changed=bound / max(changed, 1),
+    )
+    return row
+
+
+def summarize(rows: list[dict], bf16_bytes: int) -> dict[str, float]:
+    """Medians over the measured pairs, and the ratios the targets speak of."""
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k != "result_sha256"}
+    full_rw = med["full_write_s"] + med["full_read_s"]
+    ours_t = med["encode_s"] + med["apply_s"]
+    med.update(
+        ours_over_trl=med["ours"] / med["trl"],
+        ours_over_grail=med["ours"] / med["grail"],
+        ours_over_bound=med["ours"] / med["bound_bytes"],
+        ours_over_full=med["ours"] / med["full_bytes"],
+        time_ratio=ours_t / full_rw,
+        time_ratio_hashed=ours_t / (full_rw + 2 * med["state_hash_s"]),
+        peak_mem_over_bf16=max(
+            2 * bf16_bytes + med["encode_extra_bytes"], bf16_bytes + med["apply_extra_bytes"]
+        )
+        / bf16_bytes,
+    )
+    return med
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    from colonnade.pulse import kernels
+
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernels": kernels.BACKEND,
+    }
+
+
+COLUMNS = [  # (header, key, format)
+    ("lr", "lr", "{:g}"),
+    ("density", "density", "{:.4f}"),
+    ("(a) full", "full_bytes", "{:,.0f}"),
+    ("(b) TRL", "trl", "{:,.0f}"),
+    ("(c) TRL+zstd", "trl_zstd", "{:,.0f}"),
+    ("(d) grail", "grail", "{:,.0f}"),
+    ("(e) ours", "ours", "{:,.0f}"),
+    ("bits/changed", "ours_bits_per_changed", "{:.2f}"),
+    ("bound bits/changed", "bound_bits_per_changed", "{:.2f}"),
+    ("ours/(b)", "ours_over_trl", "{:.3f}"),
+    ("ours/(d)", "ours_over_grail", "{:.3f}"),
+    ("ours/bound", "ours_over_bound", "{:.3f}"),
+    ("int8 ours", "int8_ours", "{:,.0f}"),
+    ("int8 density", "int8_density", "{:.4f}"),
+    ("enc s", "encode_s", "{:.3f}"),
+    ("apply s", "apply_s", "{:.3f}"),
+    ("write s", "full_write_s", "{:.3f}"),
+    ("read s", "full_read_s", "{:.3f}"),
+    ("hash s", "state_hash_s", "{:.3f}"),
+    ("time ratio", "time_ratio", "{:.2f}"),
+    ("time ratio (hashed full)", "time_ratio_hashed", "{:.2f}"),
+    ("peak mem / bf16", "peak_mem_over_bf16", "{:.2f}"),
+]
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = "| " + " | ".join(h for h, _, _ in COLUMNS) + " |"
+    sep = "|" + "---|" * len(COLUMNS)
+    rows = ["| " + " | ".join(f.format(r[k]) for _, k, f in COLUMNS) + " |" for r in results]
+    return "\n".join([head, sep, *rows])
+
+
+def target_lines(results: list[dict]) -> list[str]:
+    lines = []
+    for desc, key, limit in TARGETS.values():
+        worst = max(r[key] for r in results)
+        lines.append(f"{'PASS' if worst <= limit else 'FAIL'}  {desc}: worst {worst:.3f}")
+    return lines
+
+
+def print_report(results: list[dict], info: dict) -> None:
+    print(
+        f"PULSE benchmark — {info['model']}, {info['params'] / 1e6:.1f}M params, "
+        f"bf16 {info['bf16_bytes'] / 1e6:.1f} MB; medians over {info['steps']} versions per lr"
+    )
+    widths = [max(len(h), 10) for h, _, _ in COLUMNS]
+    print("  ".join(h.rjust(w) for (h, _, _), w in zip(COLUMNS, widths, strict=True)))
+    for r in results:
+        print(
+            "  ".join(f.format(r[k]).rjust(w) for (_, k, f), w in zip(COLUMNS, widths, strict=True))
+        )
+    print("\n".join(target_lines(results)))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.warmup_steps < 1 or args.steps < 1:
+        raise SystemExit("error: --warmup-steps and --steps must be at least 1")
+    lrs = args.lrs[:1] if args.quick else args.lrs
+    if args.quick:
+        args.steps = min(args.steps, 2)
+    from colonnade.pulse import state_sha256
+
+    results, info = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for lr in lrs:
+            versions, n_params = train_versions(args, lr)
+            bf16 = sum(t.numel() * t.element_size() for t in versions[0].values())
+            info = {
+                "model": "Llama (transformers, random init)",
+                "params": n_params,
+                "bf16_bytes": bf16,
+                "steps": args.steps,
+            }
+            rows, base_sha = [], state_sha256(versions[0])
+            for i in range(1, len(versions)):
+                log(f"lr {lr:g}: encoding version {i}/{len(versions) - 1}")
+                rows.append(measure_pair(versions[i - 1], versions[i], base_sha, tmp))
+                base_sha = rows[-1]["result_sha256"]
+            results.append({"lr": lr, **summarize(rows, bf16)})
+    print_report(results, info)
+    out = {
+        "machine": machine(),
+        "info": info,
+        "argv": sys.argv,
+        "results": results,
+        "targets": target_lines(results),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    log(f"wrote {args.json}")
+    if args.markdown:
+        m = machine()
+        args.markdown.write_text(
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, kernels {m['kernels']}."
+            f"\nCommand: `{' '.join(sys.argv)}`\n\n{markdown_table(results)}\n\n"
+            + "\n".join(f"- {t}" for t in target_lines(results))
+            + "\n"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/pulse.py", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
