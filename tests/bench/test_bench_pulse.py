@@ -14,9 +14,24 @@ def test_quick_run_writes_complete_results(tmp_path, capsys):
     assert bench.main(["--quick", "--json", str(out), "--markdown", str(md)]) == 0
     data = json.loads(out.read_text())
     (row,) = data["results"]
-    for key in ("density", "full_bytes", "trl", "trl_zstd", "grail", "ours", "bound_bytes",
-                "encode_s", "apply_s", "full_write_s", "full_read_s", "int8_ours",
-                "ours_over_trl", "ours_over_bound", "time_ratio", "peak_mem_over_bf16"):
+    for key in (
+        "density",
+        "full_bytes",
+        "trl",
+        "trl_zstd",
+        "grail",
+        "ours",
+        "bound_bytes",
+        "encode_s",
+        "apply_s",
+        "full_write_s",
+        "full_read_s",
+        "int8_ours",
+        "ours_over_trl",
+        "ours_over_bound",
+        "time_ratio",
+        "peak_mem_over_bf16",
+    ):
         assert key in row, key
     assert 0 < row["density"] <= 1 and row["bound_bytes"] > 0
     assert row["trl"] > row["ours"] > 0 and row["full_bytes"] > row["trl"]
