@@ -75,7 +75,7 @@ def test_range_coder_round_trip_compiled_and_pure(n, seed, spread):
     assert np.array_equal(rangecoder.decode_values(data, classes), np.minimum(values, 16))
     # The uncompiled source is the fallback decoder: it must read the same bytes.
     out = np.empty(n, np.uint64)
-    used = rangecoder._decode_values(np.frombuffer(data, np.uint8), classes.astype(np.int64), out)
+    used = rangecoder._decode_values(np.frombuffer(data, np.uint8), classes.astype(np.uint8), out)
     assert used >= 0 and np.array_equal(out, np.minimum(values, 16))
 
 
@@ -103,3 +103,14 @@ def test_range_coder_rejects_truncation():
     data = rangecoder.encode_values(values, classes)
     with pytest.raises(ValueError):
         rangecoder.decode_values(data[:2], classes)
+
+
+def test_range_coder_never_writes_past_its_buffer():
+    from colonnade.pulse import rangecoder
+
+    values = np.arange(1, 2000, dtype=np.uint16) % 16 + 1
+    classes = np.zeros(values.size, np.uint8)
+    small = np.zeros(8, np.uint8)
+    assert rangecoder._ENC_V(values, classes, small) == -1  # reports instead of overrunning
+    data = rangecoder.encode_values(values, classes)
+    assert np.array_equal(rangecoder.decode_values(data, classes), values)

@@ -72,6 +72,8 @@ def _encode_values(values, classes, out):
                         carry = low >> 32
                         temp = cache
                         while cache_size > 0:
+                            if pos >= out.size:
+                                return -1
                             out[pos] = (temp + carry) & 0xFF
                             pos += 1
                             temp = 0xFF
@@ -86,6 +88,8 @@ def _encode_values(values, classes, out):
                 carry = low >> 32
                 temp = cache
                 while cache_size > 0:
+                    if pos >= out.size:
+                        return -1
                     out[pos] = (temp + carry) & 0xFF
                     pos += 1
                     temp = 0xFF
@@ -155,24 +159,28 @@ _ENC_V, _DEC_V = _compile()
 COMPILED = _ENC_V is not _encode_values
 
 
-def _run_encoder(fn, symbols: np.ndarray, classes: np.ndarray, per_symbol: int) -> bytes:
-    out = np.empty(symbols.size * per_symbol + 64, np.uint8)
-    n = fn(symbols.astype(np.uint64, copy=False), classes.astype(np.int64, copy=False), out)
-    return out[:n].tobytes()
-
-
 def encode_values(values: np.ndarray, classes: np.ndarray) -> bytes:
     """Range-coded residual values (≥ 1); values ≥ 16 need an escape stream too."""
     if values.size and int(values.min()) < 1:
         raise ValueError("range coder values must be ≥ 1")
-    # ≤ 15 decisions of ≤ 12 bits each: 23 bytes is a hard bound per value.
-    return _run_encoder(_ENC_V, values, classes, 23)
+    # uint64 would mix with int64 into floats inside the loop; a wrapped huge
+    # value is negative, never matches a decision, and leaves by the escape.
+    v = values.view(np.int64) if values.dtype == np.uint64 else values
+    cls = classes.astype(np.uint8, copy=False)
+    # Output is typically well under a byte per value; start small (memory)
+    # and retry with the hard bound (15 decisions of ≤ 12 bits: 23 bytes).
+    for per_value in (1, 23):
+        out = np.empty(v.size * per_value + 64, np.uint8)
+        n = _ENC_V(v, cls, out)
+        if n >= 0:
+            return out[:n].tobytes()
+    raise AssertionError("range coder overran its hard bound")
 
 
 def decode_values(data: bytes, classes: np.ndarray) -> np.ndarray:
     """Values (1..16; 16 = escape) of `classes.size` symbols; ValueError if short."""
     out = np.empty(classes.size, np.uint64)
-    used = _DEC_V(np.frombuffer(data, np.uint8), classes.astype(np.int64, copy=False), out)
+    used = _DEC_V(np.frombuffer(data, np.uint8), classes.astype(np.uint8, copy=False), out)
     if used < 0:
         raise ValueError("range-coded residuals end early")
     return out
