@@ -13,8 +13,9 @@ from colonnade.pulse import bitcodes
 def test_rice_round_trip(values, k):
     unary, rem = bitcodes.rice_encode(values, k)
     assert unary.size + rem.size == bitcodes.rice_cost(values, k)
-    q, used = bitcodes.unary_decode(np.concatenate([unary, np.zeros(7, np.uint8)]), values.size)
-    assert used == unary.size
+    reader = bitcodes.UnaryReader(np.concatenate([unary, np.zeros(7, np.uint8)]))
+    q = reader.read(values.size)
+    assert reader.bits_used == unary.size
     r = bitcodes.fixed_decode(rem, values.size, k)
     assert np.array_equal((q << np.uint64(k)) | r, values)
 
@@ -31,9 +32,9 @@ def test_best_rice_k_is_minimal():
     assert costs[k] / gaps.size < 1.04 * entropy
 
 
-def test_unary_decode_rejects_short_stream():
+def test_unary_reader_rejects_short_stream():
     with pytest.raises(ValueError):
-        bitcodes.unary_decode(np.ones(10, np.uint8), 1)
+        bitcodes.UnaryReader(np.ones(10, np.uint8)).read(1)
 
 
 @given(st.lists(st.integers(0, 10**6), unique=True, max_size=200))

@@ -44,17 +44,6 @@ def rice_encode(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return unary, rem
 
 
-def unary_decode(unary: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-    """First `count` unary quotients of a bit stream, and the bits they used."""
-    zeros = np.flatnonzero(unary == 0)
-    if zeros.size < count:
-        raise ValueError("unary stream ends early")
-    zeros = zeros[:count]
-    q = np.diff(zeros, prepend=-1) - 1
-    used = int(zeros[-1]) + 1 if count else 0
-    return q.astype(np.uint64), used
-
-
 class UnaryReader:
     """Reads unary quotients off one bit stream, group after group.
 

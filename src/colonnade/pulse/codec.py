@@ -23,7 +23,7 @@ import zstandard
 
 from . import positions, residuals
 from .context import choose_context, class_map
-from .format import pack
+from .format import POSITION_BLOCKS, pack
 from .quant import quantize_state
 from .tensors import (
     dtype_name,
@@ -207,7 +207,7 @@ def _count(stats: PatchStats, entry: dict, changed: int) -> None:
         key = f"{entry['pos']}+{entry['res']}/{entry['rlayout']}"
     stats.codes[key] = stats.codes.get(key, 0) + 1
     if entry["op"] == "patch":
-        n_pos = positions.POSITION_BLOCKS[entry["pos"]]
+        n_pos = POSITION_BLOCKS[entry["pos"]]
         stats.position_bytes += sum(entry["blocks"][:n_pos])
         stats.residual_bytes += sum(entry["blocks"][n_pos:])
 

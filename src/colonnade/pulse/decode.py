@@ -18,7 +18,7 @@ from . import positions, residuals
 from .codec import State, _pool
 from .context import class_map
 from .errors import PatchError
-from .format import unpack
+from .format import POSITION_BLOCKS, unpack
 from .tensors import (
     dtype_name,
     from_bits,
@@ -63,7 +63,7 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     if entry["ctx"] == "rowscale" and name + "::scale" not in base:
         raise ValueError("rowscale context without a scale tensor in the base")
     ob = to_bits(old)
-    n_pos = positions.POSITION_BLOCKS[entry["pos"]]
+    n_pos = POSITION_BLOCKS[entry["pos"]]
     if entry["pos"] == "rice":
         cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
         idx, classes = positions.rice_decode(blocks[:n_pos], ob.size, cmap, chunk)

@@ -24,7 +24,6 @@ import zstandard
 from . import bitcodes, kernels
 from .context import N_CLASSES, ClassMap
 
-POSITION_BLOCKS = {"rice": 3, "mask": 1}
 GROUP_DTYPE = np.dtype(
     [
         ("chunk", "<u4"),

@@ -25,7 +25,6 @@ from .positions import decompress
 from .tensors import FLOAT_DTYPES, SIGNED_INT_DTYPES
 
 ZSTD_LEVEL = 3
-LAYOUT_BLOCKS = {"planes": 1, "sym2": 2, "rc": 2}
 
 
 def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
