@@ -1,0 +1,107 @@
+"""Finding and loading causal LMs: presets, local directories, hub names.
+
+A preset is built once into a cache directory named by the hash of what
+defines it, published by an atomic rename so concurrent processes never load
+a half-written model; afterwards every load is a plain `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from .presets import PRESETS, TinySpec, build_smollm2, build_tiny
+
+READY = "colonnade-ready.json"
+
+
+def cache_root() -> Path:
+    """`$COLONNADE_CACHE`, else `~/.cache/colonnade`."""
+    env = os.environ.get("COLONNADE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "colonnade"
+
+
+def _texts_digest(texts: Iterable[str]) -> tuple[str, list[str]]:
+    items = list(texts)
+    h = hashlib.sha256()
+    for t in items:
+        h.update(t.encode())
+        h.update(b"\0")
+    return h.hexdigest(), items
+
+
+def _build_once(target: Path, build: Callable[[Path], None], facts: dict) -> Path:
+    if (target / READY).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / READY).write_text(json.dumps(facts, sort_keys=True))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / READY).is_file():  # lost a race to a broken dir
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(
+    name: str,
+    texts: Iterable[str] | None = None,
+    spec: TinySpec | None = None,
+    cache: Path | None = None,
+) -> str:
+    """A path (or hub name) `from_pretrained` can load for `name`.
+
+    `name` is a preset (`tiny` needs `texts`, the text its tokenizer learns
+    from), a local model directory, or a hub name passed through unchanged.
+    """
+    root = cache or cache_root()
+    spec = spec or TinySpec()
+    if name == "tiny":
+        if texts is None:
+            raise ValueError("the tiny preset trains its tokenizer on the environment's text")
+        digest, items = _texts_digest(texts)
+        facts = {"preset": "tiny", "spec": spec.as_dict(), "texts_sha256": digest}
+        key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+        return str(
+            _build_once(
+                root / "models" / f"tiny-{key}", lambda d: build_tiny(d, items, spec), facts
+            )
+        )
+    if name == "smollm2-135m":
+        facts = {"preset": name}
+        return str(_build_once(root / "models" / name, build_smollm2, facts))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return str(path)
+    if "/" not in name:
+        raise ValueError(
+            f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}), "
+            "a local model directory or a hub name like org/model"
+        )
+    return name
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer) from a directory or hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device).eval()
+    return model, tokenizer

@@ -1,0 +1,177 @@
+"""Batched multi-turn generation with one KV cache for many episodes.
+
+Each step feeds every live episode one chunk: its last sampled token, or
+that token followed by the environment's reply when a turn has just ended
+(the prompt is the first chunk). Chunks are right-aligned in a [B, W] block;
+the left padding is stored in the cache but masked out of every later query,
+so an episode extends its own KV prefix and is never recomputed, and the
+episodes of a batch end independently (finished rows leave the cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams, sample
+from .stops import StopMatcher
+
+# turn text (up to its stop string) -> environment text to append, or None to end
+Responder = Callable[[str], "str | None"]
+
+
+@dataclass
+class Episode:
+    """Everything the trainer needs of one episode, token by token."""
+
+    prompt_ids: list[int]
+    version: int
+    tokens: list[int] = field(default_factory=list)  # after the prompt
+    from_model: list[bool] = field(default_factory=list)  # env tokens never enter the loss
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob; 0.0 on env tokens
+    turns: list[str] = field(default_factory=list)  # each model turn's text
+    finish: str = ""  # "done" (env ended it), "eos", "length"
+
+    def add(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None):
+        self.tokens.extend(ids)
+        self.from_model.extend([model] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+@dataclass
+class _Row:
+    episode: Episode
+    respond: Responder
+    pending: list[int]
+    turn: list[int] = field(default_factory=list)
+
+
+class _KV:
+    """The shared cache, which columns are real tokens, and each row's next position."""
+
+    def __init__(self, batch: int, device: torch.device):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.real = torch.zeros((batch, 0), dtype=torch.bool, device=device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.device = device
+
+    def block(self, chunks: Sequence[Sequence[int]], pad_id: int):
+        """input ids, position ids and the 4-D attention mask for one step."""
+        lens = torch.tensor([len(c) for c in chunks], device=self.device)
+        batch, width = len(chunks), int(lens.max())
+        ids = torch.full((batch, width), pad_id, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+        offset = width - lens  # pads before each row's chunk
+        col = torch.arange(width, device=self.device)
+        new_real = col[None, :] >= offset[:, None]
+        positions = (self.pos[:, None] + col[None, :] - offset[:, None]).clamp_(min=0)
+        past = self.real.shape[1]
+        keys = torch.cat([self.real, new_real], dim=1)  # [B, past + W]
+        causal = torch.ones((width, past + width), dtype=torch.bool, device=self.device)
+        causal[:, past:] = torch.tril(causal[:, past:])
+        allowed = keys[:, None, :] & causal[None]
+        # A pad query sees only itself: a row with no visible key would turn
+        # into NaNs in the cache. Real queries never see pad keys.
+        diag = torch.arange(width, device=self.device)
+        allowed[:, diag, past + diag] = True
+        self.real, self.pos = keys, self.pos + lens
+        return ids.to(self.device), positions, allowed[:, None]
+
+    def keep(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.real, self.pos = self.real[index], self.pos[index]
+
+
+class Engine:
+    """Runs a causal LM (float or int8) over batches of multi-turn episodes."""
+
+    def __init__(self, model, tokenizer, version: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.version = version
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_ids = {tokenizer.eos_token_id} - {None}
+        # transformers 5.x renamed `past_key_values` to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responders: Sequence[Responder],
+        params: SamplingParams,
+        seed: int = 0,
+    ) -> list[Episode]:
+        """One episode per prompt; `responders[i]` answers episode i's turns."""
+        if len(prompts) != len(responders):
+            raise ValueError("one responder per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        gen = torch.Generator().manual_seed(seed)
+        stops = StopMatcher(self.tokenizer, params.stop)
+        rows = [
+            _Row(Episode(list(p), self.version), r, list(p))
+            for p, r in zip(prompts, responders, strict=True)
+        ]
+        live, kv = list(rows), _KV(len(rows), self.device)
+        while live:
+            ids, positions, mask = kv.block([r.pending for r in live], self.pad_id)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                **{self._cache_arg: kv.cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tokens, logprobs = sample(out.logits[:, -1, :], params, gen)
+            going = [
+                i
+                for i, row in enumerate(live)
+                if self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops)
+            ]
+            if len(going) < len(live):
+                live = [live[i] for i in going]
+                if live:
+                    kv.keep(going)
+        return [r.episode for r in rows]
+
+    def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:
+        """Record a sampled token; False when the episode is over."""
+        ep = row.episode
+        ep.add([token], True, [logprob])
+        row.turn.append(token)
+        if token in self.eos_ids:
+            ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+            ep.finish = "eos"
+            return False
+        turn_over = stops.hit(row.turn) or len(row.turn) >= params.max_turn_tokens
+        if not turn_over:
+            if len(ep.tokens) >= params.max_episode_tokens:
+                ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+                ep.finish = "length"
+                return False
+            row.pending = [token]
+            return True
+        text = stops.cut(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+        ep.turns.append(text)
+        reply = row.respond(text)
+        if reply is None:
+            ep.finish = "done"
+            return False
+        env_ids = self.tokenizer.encode(reply, add_special_tokens=False)
+        if len(ep.tokens) + len(env_ids) >= params.max_episode_tokens:
+            ep.finish = "length"
+            return False
+        ep.add(env_ids, False)
+        row.pending, row.turn = [token, *env_ids], []
+        return True

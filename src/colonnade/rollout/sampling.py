@@ -1,0 +1,62 @@
+"""Choosing the next token, and the log-prob the trainer's gate needs.
+
+The recorded log-prob is that of the distribution actually sampled from:
+after temperature, top-k and top-p, renormalized. A trainer must apply the
+same temperature when it recomputes π (top-k/top-p truncation is why they
+are off by default: they make μ differ from any π the trainer computes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_turn_tokens: int = 96  # model tokens per turn
+    max_episode_tokens: int = 512  # model + environment tokens after the prompt
+    stop: tuple[str, ...] = ()  # end a turn when the turn's text contains one
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("top_k must be >= 0 and top_p in (0, 1]")
+        if self.max_turn_tokens < 1 or self.max_episode_tokens < 1:
+            raise ValueError("token limits must be >= 1")
+
+
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs [B, V] of the sampling distribution (tempered, truncated)."""
+    z = logits.float()
+    if params.temperature == 0:
+        return torch.log_softmax(z, dim=-1)
+    z = z / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the
+        # most likely token always stays.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(z, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B], their log-probs [B]) for next-token logits [B, V]."""
+    logp = filtered_logprobs(logits.detach().to("cpu"), params)
+    if params.temperature == 0:
+        tokens = logp.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
