@@ -19,3 +19,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     bench_pulse.add_arguments(bp)
     bp.set_defaults(handler=bench_pulse.run)
+    from colonnade.bench import rollout as bench_rollout
+
+    br = bsub.add_parser(
+        "rollout",
+        help="tokens/s of the engine in fp32 and int8 against transformers' generate",
+        description="Generated tokens/s of colonnade's engine (fp32 and PULSE int8) and of "
+        "transformers' generate at the same batch sizes, side by side, with peak RSS.",
+    )
+    bench_rollout.add_arguments(br)
+    br.set_defaults(handler=bench_rollout.run)

@@ -1,6 +1,7 @@
 """Rollout generation: the batched multi-turn engine and its sampling rules."""
 
 from .engine import Engine, Episode, Responder
+from .episodes import Result, chat_prompt, model_turns, run_episodes
 from .sampling import SamplingParams, filtered_logprobs, sample
 from .stops import StopMatcher
 
@@ -8,8 +9,12 @@ __all__ = [
     "Engine",
     "Episode",
     "Responder",
+    "Result",
     "SamplingParams",
     "StopMatcher",
+    "chat_prompt",
     "filtered_logprobs",
+    "model_turns",
+    "run_episodes",
     "sample",
 ]

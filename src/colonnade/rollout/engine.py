@@ -150,7 +150,7 @@ class Engine:
         ep = row.episode
         ep.add([token], True, [logprob])
         row.turn.append(token)
-        if token in self.eos_ids:
+        if token in self.eos_ids and not params.ignore_eos:
             ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))
             ep.finish = "eos"
             return False

@@ -21,6 +21,7 @@ class SamplingParams:
     max_turn_tokens: int = 96  # model tokens per turn
     max_episode_tokens: int = 512  # model + environment tokens after the prompt
     stop: tuple[str, ...] = ()  # end a turn when the turn's text contains one
+    ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed lengths)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

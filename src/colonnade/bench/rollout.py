@@ -1,0 +1,174 @@
+"""Rollout throughput: our engine in fp32 and int8 against transformers' `generate`.
+
+Side by side in one run, per model and batch size: generated tokens/s of
+colonnade's engine with float32 weights, with the PULSE int8 weights on
+fbgemm, and of `model.generate` (float32, sampling, KV cache) on the same
+prompt; and the process's peak RSS during each row. Every configuration is
+warmed up once, then timed `--repeats` times; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = ("tiny", "smollm2-135m")
+PROMPT = "What protein does the gene GX12 encode? Search before answering."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=",".join(MODELS), help="comma list (default: %(default)s)")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per episode (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--quick", action="store_true", help="tiny model, batches 1,8, 16 tokens")
+    p.add_argument("--json", action="store_true", help="print result rows as JSON on stdout")
+
+
+def log(msg: str) -> None:
+    print(f"[bench rollout] {msg}", file=sys.stderr, flush=True)
+
+
+def _peak_reset() -> None:
+    # Linux: writing 5 resets VmHWM to the current RSS, so each row's peak
+    # is its own. Elsewhere the figure is the process's lifetime peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _tiny_texts() -> list[str]:
+    from colonnade.envs import load_environment
+
+    return load_environment("searchqa").tokenizer_texts()
+
+
+def load_pair(name: str):
+    """(fp32 model, int8 model, tokenizer) for a preset."""
+    from colonnade.model import int8_state, load_int8, load_model, resolve_model, tied_aliases
+
+    path = resolve_model(name, _tiny_texts() if name == "tiny" else None)
+    fp32, tok = load_model(path)
+    int8, _ = load_model(path)
+    load_int8(int8, int8_state(fp32), tied_aliases(fp32))
+    return fp32, int8, tok
+
+
+def _time(fn, repeats: int) -> tuple[float, float]:
+    """(median tokens/s, peak RSS MB) of `fn`, which returns tokens generated."""
+    fn()  # warm-up: first calls at a shape are slower
+    rates, peak = [], 0.0
+    for _ in range(repeats):
+        _peak_reset()
+        t = time.perf_counter()
+        n = fn()
+        rates.append(n / (time.perf_counter() - t))
+        peak = max(peak, _peak_mb())
+    return statistics.median(rates), peak
+
+
+def measure(fp32, int8, tok, batch: int, tokens: int, repeats: int) -> dict:
+    from colonnade.rollout import Engine, SamplingParams
+
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=tokens, ignore_eos=True)
+
+    def ours(model):
+        engine = Engine(model, tok)
+        eps = engine.generate([prompt] * batch, [lambda _t: None] * batch, params, seed=0)
+        return sum(len(e.tokens) for e in eps)
+
+    ids = torch.tensor([prompt] * batch)
+
+    def hf():
+        with torch.inference_mode():
+            out = fp32.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                pad_token_id=tok.pad_token_id,
+            )
+        return (out.shape[1] - ids.shape[1]) * batch
+
+    fp32_rate, p1 = _time(lambda: ours(fp32), repeats)
+    int8_rate, p2 = _time(lambda: ours(int8), repeats)
+    hf_rate, p3 = _time(hf, repeats)
+    return {
+        "batch": batch,
+        "fp32_tok_s": round(fp32_rate, 1),
+        "int8_tok_s": round(int8_rate, 1),
+        "hf_generate_tok_s": round(hf_rate, 1),
+        "int8_over_fp32": round(int8_rate / fp32_rate, 2),
+        "ours_fp32_over_generate": round(fp32_rate / hf_rate, 2),
+        "peak_rss_mb": round(max(p1, p2, p3), 1),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
+    batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
+    tokens = 16 if args.quick else args.tokens
+    bad = [m for m in models if m not in MODELS]
+    if bad or not batches or min(batches) < 1 or tokens < 1 or args.repeats < 1:
+        raise SystemExit(f"error: models must be among {MODELS}; batches, tokens, repeats >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for name in models:
+        log(f"loading {name} (fp32 and int8)")
+        fp32, int8, tok = load_pair(name)
+        for b in batches:
+            log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
+            rows.append({"model": name, **measure(fp32, int8, tok, b, tokens, args.repeats)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(markdown_table(rows))
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    return 0
+
+
+COLUMNS = [
+    ("model", "model"),
+    ("batch", "batch"),
+    ("ours fp32 tok/s", "fp32_tok_s"),
+    ("ours int8 tok/s", "int8_tok_s"),
+    ("generate tok/s", "hf_generate_tok_s"),
+    ("int8/fp32", "int8_over_fp32"),
+    ("ours fp32/generate", "ours_fp32_over_generate"),
+    ("peak RSS MB", "peak_rss_mb"),
+]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(h for h, _ in COLUMNS) + " |"
+    rule = "|" + "---|" * len(COLUMNS)
+    body = ["| " + " | ".join(str(r[k]) for _, k in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/rollout.py", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,98 @@
+"""`searchqa`: multi-turn search in the Search-R1 format with BM25 retrieval.
+
+The model writes `<search>query</search>`; the environment answers with the
+top-k documents in `<information>…</information>`; the model ends with
+`<answer>…</answer>`. Reward is the exact match of the last answer after
+normalization against the answer and its synonyms. A turn with neither tag,
+or a search beyond the turn limit, ends the episode (reward 0): malformed
+output never raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from ..answers import exact_match, last_tag, normalize
+from ..base import Score, Task, check_split
+from .corpus import build_corpus
+from .search import BM25Index
+
+SYSTEM = (
+    "Answer the biomedical question. To search the literature write "
+    "<search>query</search>; results come back in <information>...</information>. "
+    "Finish with <answer>short answer</answer>."
+)
+
+
+class SearchQA:
+    name = "searchqa"
+    stop = ("</search>", "</answer>")
+
+    def __init__(
+        self, n_clusters: int, test_fraction: float, top_k: int, max_turns: int, seed: int
+    ):
+        if top_k < 1 or max_turns < 1:
+            raise ValueError("top_k and max_turns must be at least 1")
+        self.corpus = build_corpus(n_clusters, test_fraction, seed)
+        self.index = BM25Index(self.corpus.docs)
+        self.top_k, self.max_turns = top_k, max_turns
+        self._by_id = {t.id: t for t in (*self.corpus.train, *self.corpus.test)}
+        self._search = functools.lru_cache(maxsize=65536)(self._search_uncached)
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return self.corpus.train if check_split(split) == "train" else self.corpus.test
+
+    def task(self, task_id: str) -> Task:
+        return self._by_id[task_id]
+
+    def prompt(self, task: Task) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
+
+    def _search_uncached(self, query: str) -> tuple[str, ...]:
+        return tuple(self.index.search(query, self.top_k))
+
+    def information(self, query: str) -> str:
+        docs = self._search(query)
+        body = "\n".join(f"Doc {i + 1}: {d}" for i, d in enumerate(docs)) or "No results."
+        return f"\n<information>\n{body}\n</information>\n"
+
+    def respond(self, task: Task, turns: Sequence[str]) -> str | None:
+        turn = turns[-1]
+        if last_tag(turn, "answer") is not None:
+            return None
+        query = last_tag(turn, "search")
+        if not query or len(turns) >= self.max_turns:
+            return None
+        return self.information(query)
+
+    def score(self, task: Task, turns: Sequence[str]) -> Score:
+        queries = [last_tag(t, "search") for t in turns[:-1]]
+        answer = last_tag(turns[-1], "answer") if turns else None
+        format_ok = (
+            answer is not None
+            and all(q for q in queries)
+            and len(turns) <= self.max_turns
+            and all(last_tag(t, "answer") is None for t in turns[:-1])
+        )
+        correct = format_ok and exact_match(answer or "", task.answers)
+        wanted = [normalize(a) for a in task.answers]
+        found = any(
+            any(w in normalize(doc) for w in wanted for doc in self._search(q))
+            for q in queries
+            if q
+        )
+        metrics = {
+            "correct": float(correct),
+            "searched": float(any(queries)),
+            "search_success": float(found),
+            "turns": float(len(turns)),
+            "format_ok": float(format_ok),
+        }
+        return Score(reward=float(correct), metrics=metrics)
+
+    def tokenizer_texts(self) -> list[str]:
+        tasks = [*self.corpus.train, *self.corpus.test]
+        return [SYSTEM, *self.corpus.docs, *(t.question for t in tasks)] + [
+            f"<search>{t.question}</search><answer>{t.answers[0]}</answer>" for t in tasks
+        ]
