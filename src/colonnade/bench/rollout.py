@@ -63,14 +63,12 @@ def _tiny_texts() -> list[str]:
 
 
 def load_pair(name: str):
-    """(fp32 model, int8 model, tokenizer) for a preset."""
-    from colonnade.model import int8_state, load_int8, load_model, resolve_model, tied_aliases
+    """(fp32 engine, int8 engine) for a preset, on CPU."""
+    from colonnade.model import resolve_model
+    from colonnade.rollout import load_engine
 
     path = resolve_model(name, _tiny_texts() if name == "tiny" else None)
-    fp32, tok = load_model(path)
-    int8, _ = load_model(path)
-    load_int8(int8, int8_state(fp32), tied_aliases(fp32))
-    return fp32, int8, tok
+    return load_engine(path, "fp32", "cpu"), load_engine(path, "int8", "cpu")
 
 
 def _time(fn, repeats: int) -> tuple[float, float]:
@@ -86,14 +84,15 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(rates), peak
 
 
-def measure(fp32, int8, tok, batch: int, tokens: int, repeats: int) -> dict:
-    from colonnade.rollout import Engine, SamplingParams
+def measure(fp32, int8, batch: int, tokens: int, repeats: int) -> dict:
+    """One row: `fp32` and `int8` are engines; `generate` runs fp32's model."""
+    from colonnade.rollout import SamplingParams
 
+    tok = fp32.tokenizer
     prompt = tok.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=tokens, ignore_eos=True)
 
-    def ours(model):
-        engine = Engine(model, tok)
+    def ours(engine):
         eps = engine.generate([prompt] * batch, [lambda _t: None] * batch, params, seed=0)
         return sum(len(e.tokens) for e in eps)
 
@@ -101,7 +100,7 @@ def measure(fp32, int8, tok, batch: int, tokens: int, repeats: int) -> dict:
 
     def hf():
         with torch.inference_mode():
-            out = fp32.generate(
+            out = fp32.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=True,
@@ -137,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in models:
         log(f"loading {name} (fp32 and int8)")
-        fp32, int8, tok = load_pair(name)
+        fp32, int8 = load_pair(name)
         for b in batches:
             log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
-            rows.append({"model": name, **measure(fp32, int8, tok, b, tokens, args.repeats)})
+            rows.append({"model": name, **measure(fp32, int8, b, tokens, args.repeats)})
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -67,6 +67,13 @@ def _lookup(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str,
     return key
 
 
+def _float_value(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]):
+    """The model tensor `name` from an int8 state: dequantized if it has row scales."""
+    key = _lookup(qstate, name, aliases)
+    scale = qstate.get(key + SCALE_SUFFIX)
+    return qstate[key] if scale is None else dequantize_rows(qstate[key], scale)
+
+
 def _copy_into(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     # Not load_state_dict: quantized linears insist on their own keys in it.
     with torch.no_grad():
@@ -97,9 +104,7 @@ def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Map
     for name in model.state_dict():
         if name.rpartition(".")[0] in linear_names or "._packed_params" in name:
             continue
-        key = _lookup(qstate, name, aliases)
-        scale = qstate.get(key + SCALE_SUFFIX)
-        rest[name] = qstate[key] if scale is None else dequantize_rows(qstate[key], scale)
+        rest[name] = _float_value(qstate, name, aliases)
     for name, _ in linears:
         key = _lookup(qstate, f"{name}.weight", aliases)
         layer = _int8_linear(qstate[key], qstate[key + SCALE_SUFFIX], qstate.get(f"{name}.bias"))
@@ -114,10 +119,7 @@ def load_dequantized(
     model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
 ) -> nn.Module:
     """The same int8 weights, dequantized into a float model (CUDA, MPS)."""
-    sd = {}
-    for name in model.state_dict():
-        key = _lookup(qstate, name, aliases)
-        scale = qstate.get(key + SCALE_SUFFIX)
-        sd[name] = qstate[key] if scale is None else dequantize_rows(qstate[key], scale)
-    model.load_state_dict(sd)
+    model.load_state_dict(
+        {name: _float_value(qstate, name, aliases) for name in model.state_dict()}
+    )
     return model

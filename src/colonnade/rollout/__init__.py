@@ -2,10 +2,12 @@
 
 from .engine import Engine, Episode, Responder
 from .episodes import Result, chat_prompt, model_turns, run_episodes
+from .loader import PRECISIONS, load_engine
 from .sampling import SamplingParams, filtered_logprobs, sample
 from .stops import StopMatcher
 
 __all__ = [
+    "PRECISIONS",
     "Engine",
     "Episode",
     "Responder",
@@ -14,6 +16,7 @@ __all__ = [
     "StopMatcher",
     "chat_prompt",
     "filtered_logprobs",
+    "load_engine",
     "model_turns",
     "run_episodes",
     "sample",
