@@ -6,11 +6,12 @@ Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format) and `smoke`
 """
 
 from .answers import exact_match, last_tag, normalize
-from .base import SPLITS, Environment, Score, Task
+from .base import SPLITS, Demonstrating, Environment, Score, Task
 from .registry import BUILTINS, load_environment
 
 __all__ = [
     "BUILTINS",
+    "Demonstrating",
     "SPLITS",
     "Environment",
     "Score",

@@ -59,6 +59,19 @@ class Environment(Protocol):
         ...
 
 
+@runtime_checkable
+class Demonstrating(Protocol):
+    """An environment that can write supervised demonstrations (for warm start)."""
+
+    def demonstration(self, task: Task, good: bool, rng) -> list[str]:
+        """Model turns of one demo: a good trajectory, or a plausible poor one.
+
+        The warm start replays the turns through `respond`, so the tool
+        replies in a demo are exactly those the environment would give.
+        """
+        ...
+
+
 def check_split(split: str) -> str:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")

@@ -56,6 +56,10 @@ class Smoke:
         }
         return Score(float(correct), metrics)
 
+    def demonstration(self, task: Task, good: bool, rng: random.Random) -> list[str]:
+        word = task.answers[0] if good else rng.choice([c for c in COLOURS if c != task.answers[0]])
+        return [f"<answer>{word}</answer>"]
+
     def tokenizer_texts(self) -> list[str]:
         lines = [SYSTEM, *(t.question for t in self._by_id.values())]
         return lines + [f"<answer>{w}</answer>" for w in COLOURS] * 20

@@ -11,6 +11,7 @@ output never raises.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Sequence
 
 from ..answers import exact_match, last_tag, normalize
@@ -39,6 +40,9 @@ class SearchQA:
         self.top_k, self.max_turns = top_k, max_turns
         self._by_id = {t.id: t for t in (*self.corpus.train, *self.corpus.test)}
         self._search = functools.lru_cache(maxsize=65536)(self._search_uncached)
+        self._guesses: dict[str, list[str]] = {}
+        for t in self.corpus.train:
+            self._guesses.setdefault(t.info.get("relation", ""), []).append(t.answers[0])
 
     def tasks(self, split: str) -> Sequence[Task]:
         return self.corpus.train if check_split(split) == "train" else self.corpus.test
@@ -91,8 +95,29 @@ class SearchQA:
         }
         return Score(reward=float(correct), metrics=metrics)
 
+    def demonstration(self, task: Task, good: bool, rng: random.Random) -> list[str]:
+        """Good: search with the question, answer from the top document that
+        holds an answer. Poor: answer at once with a same-kind guess taken
+        from another training question (confident and wrong)."""
+        if good:
+            for doc in self._search(task.question):
+                for answer in task.answers:
+                    at = doc.lower().find(answer.lower())
+                    if at >= 0:  # copy the span as the document spells it
+                        span = doc[at : at + len(answer)]
+                        # The leading space makes the answer's tokens those of the
+                        # document (BPE marks word starts), so it is a plain copy.
+                        return [f"<search>{task.question}</search>", f"<answer> {span}</answer>"]
+        pool = self._guesses[task.info.get("relation", "")]
+        guess = rng.choice(pool)
+        while exact_match(guess, task.answers) and len(pool) > 1:
+            guess = rng.choice(pool)
+        return [f"<answer> {guess}</answer>"]
+
     def tokenizer_texts(self) -> list[str]:
         tasks = [*self.corpus.train, *self.corpus.test]
-        return [SYSTEM, *self.corpus.docs, *(t.question for t in tasks)] + [
-            f"<search>{t.question}</search><answer>{t.answers[0]}</answer>" for t in tasks
+        # Tool replies too, so the tags and "Doc n:" become single tokens.
+        replies = [self.information(t.question) for t in self.corpus.train[::4]]
+        return [SYSTEM, *self.corpus.docs, *(t.question for t in tasks), *replies] + [
+            f"<search>{t.question}</search><answer> {t.answers[0]}</answer>" for t in tasks
         ]

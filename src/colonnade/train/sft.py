@@ -1,0 +1,127 @@
+"""Supervised fine-tuning on token sequences with a loss mask.
+
+An example is the token ids of one whole episode (prompt, model turns, tool
+replies) and a mask that is True where the model wrote the token: only those
+positions are learned, as in RL, so tool output is never imitated.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from colonnade.envs import Demonstrating, Environment, Task
+from colonnade.rollout.episodes import chat_prompt
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: tuple[int, ...]
+    learn: tuple[bool, ...]  # True where the model wrote the token
+
+
+def episode_example(tokenizer, env: Environment, task: Task, turns: Sequence[str]) -> Example:
+    """Tokens of an episode made of these model turns, replies from `env`.
+
+    Each piece is tokenized on its own, as the engine sees it: prompt ids,
+    then model turn, tool reply, model turn, ...
+    """
+    ids = list(chat_prompt(tokenizer, env.prompt(task)))
+    learn = [False] * len(ids)
+    for i, turn in enumerate(turns):
+        piece = tokenizer.encode(turn, add_special_tokens=False)
+        ids += piece
+        learn += [True] * len(piece)
+        reply = env.respond(task, list(turns[: i + 1]))
+        if reply is None:
+            break
+        piece = tokenizer.encode(reply, add_special_tokens=False)
+        ids += piece
+        learn += [False] * len(piece)
+    return Example(tuple(ids), tuple(learn))
+
+
+def demonstrations(
+    tokenizer, env: Environment, tasks: Sequence[Task], good_fraction: float, seed: int
+) -> list[Example]:
+    """One demo per task; a `good_fraction` share of them good, chosen by the seed."""
+    if not isinstance(env, Demonstrating):
+        raise TypeError(f"environment {env.name!r} has no demonstration() for a warm start")
+    if not 0.0 <= good_fraction <= 1.0:
+        raise ValueError("good_fraction must be within [0, 1]")
+    rng = random.Random(seed)
+    out = []
+    for task in tasks:
+        good = rng.random() < good_fraction
+        out.append(episode_example(tokenizer, env, task, env.demonstration(task, good, rng)))
+    return out
+
+
+def collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(ids, attention mask, labels) right-padded; labels are -100 where not learned."""
+    width = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for r, e in enumerate(batch):
+        n = len(e.ids)
+        ids[r, :n] = torch.tensor(e.ids)
+        attn[r, :n] = 1
+        labels[r, :n] = torch.where(torch.tensor(e.learn), ids[r, :n], -100)
+    return ids, attn, labels
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the learned positions."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+    )
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of `lr`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_sft(
+    model,
+    examples: Sequence[Example],
+    pad_id: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """AdamW over shuffled batches of `examples`; the loss of every step."""
+    if not examples:
+        raise ValueError("no examples to train on")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    losses, order = [], []
+    for step in range(steps):
+        if len(order) < batch_size:
+            order += torch.randperm(len(examples), generator=gen).tolist()
+        batch, order = [examples[i] for i in order[:batch_size]], order[batch_size:]
+        ids, attn, labels = collate(batch, pad_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+        loss = masked_lm_loss(model(input_ids=ids, attention_mask=attn).logits, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if progress:
+            progress(step + 1, losses[-1])
+    model.eval()
+    return losses
