@@ -11,8 +11,8 @@ from .registry import BUILTINS, load_environment
 
 __all__ = [
     "BUILTINS",
-    "Demonstrating",
     "SPLITS",
+    "Demonstrating",
     "Environment",
     "Score",
     "Task",
