@@ -1,0 +1,89 @@
+"""Object keys of protocol v1, all relative to the run prefix.
+
+| key                                        | writer         |
+|--------------------------------------------|----------------|
+| run.json                                   | trainer, once  |
+| model/{file}                               | trainer, once  |
+| weights/{v:08d}/full.safetensors           | trainer        |
+| weights/{v:08d}/patch.pulse                | trainer        |
+| weights/{v:08d}/meta.json                  | trainer, last  |
+| weights/latest.json                        | trainer (hint) |
+| rollouts/{v:08d}/{worker}/{seq:06d}.json.zst | worker       |
+| workers/{worker}.json                      | worker         |
+| trainer/...                                | trainer        |
+| metrics/{role}/{id}/{n:08d}.json           | each process   |
+"""
+
+from __future__ import annotations
+
+import re
+
+PROTOCOL_VERSION = 1
+RUN = "run.json"
+LATEST = "weights/latest.json"
+DONE = "trainer/done.json"
+HEARTBEAT = "trainer/heartbeat.json"
+ROLLOUT_EXT = ".json.zst"
+
+_WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ROLLOUT = re.compile(r"^rollouts/(\d{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{6})\.json\.zst$")
+
+
+def check_worker_id(worker: str) -> str:
+    if not _WORKER_ID.match(worker):
+        raise ValueError(
+            f"invalid worker id {worker!r}: 1-64 of letters, digits, '_', '.', '-' "
+            "(starting with a letter or digit)"
+        )
+    return worker
+
+
+def model_file(name: str) -> str:
+    return f"model/{name}"
+
+
+def weights_dir(v: int) -> str:
+    return f"weights/{v:08d}/"
+
+
+def full_key(v: int) -> str:
+    return f"{weights_dir(v)}full.safetensors"
+
+
+def patch_key(v: int) -> str:
+    return f"{weights_dir(v)}patch.pulse"
+
+
+def meta_key(v: int) -> str:
+    return f"{weights_dir(v)}meta.json"
+
+
+def rollouts_dir(v: int) -> str:
+    return f"rollouts/{v:08d}/"
+
+
+def rollout_key(v: int, worker: str, seq: int) -> str:
+    return f"{rollouts_dir(v)}{check_worker_id(worker)}/{seq:06d}{ROLLOUT_EXT}"
+
+
+def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
+    """(version, worker, seq) of a rollout key, None for anything else."""
+    m = _ROLLOUT.match(key)
+    return (int(m[1]), m[2], int(m[3])) if m else None
+
+
+def worker_key(worker: str) -> str:
+    return f"workers/{check_worker_id(worker)}.json"
+
+
+def consumed_key(v: int) -> str:
+    """The rollouts that trained version v (written before v is published)."""
+    return f"trainer/consumed/{v:08d}.json"
+
+
+def checkpoint_dir(v: int) -> str:
+    return f"trainer/checkpoints/{v:08d}/"
+
+
+def metrics_key(role: str, ident: str, n: int) -> str:
+    return f"metrics/{role}/{check_worker_id(ident)}/{n:08d}.json"

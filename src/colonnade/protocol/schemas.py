@@ -1,0 +1,217 @@
+"""The JSON documents of protocol v1, validated on read and size-bounded.
+
+Everything a worker sends is untrusted: `decode_batch` decompresses with a
+hard output limit, checks every field's type and range, and raises
+SchemaError with the first problem. Nothing here uses pickle or eval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zstandard
+
+from .keys import PROTOCOL_VERSION, check_worker_id
+
+MAX_JSON_BYTES = 1 << 20  # run.json, meta.json, heartbeats
+MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
+MAX_EPISODES = 4096
+FINISHES = ("done", "eos", "length")
+
+
+class SchemaError(ValueError):
+    """A document that does not match its schema (or is too large)."""
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise SchemaError(what)
+
+
+def _int(x: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def loads(data: bytes, limit: int = MAX_JSON_BYTES) -> dict:
+    _need(len(data) <= limit, f"document of {len(data)} bytes exceeds {limit}")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SchemaError(f"not JSON: {e}") from None
+    _need(isinstance(doc, dict), "document is not a JSON object")
+    return doc
+
+
+def dumps(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """run.json: everything a worker needs to join, written once by the trainer."""
+
+    run_id: str
+    env: str
+    env_kwargs: dict[str, Any]
+    model_files: list[str]
+    vocab_size: int
+    precision: str  # of published weights: int8 | bf16
+    group_size: int
+    groups_per_batch: int  # per uploaded rollout batch
+    max_lag: int
+    anchor_every: int
+    sampling: dict[str, Any]
+    protocol: int = PROTOCOL_VERSION
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RunSpec:
+        d = loads(data)
+        _need(d.get("protocol") == PROTOCOL_VERSION, f"unsupported protocol {d.get('protocol')!r}")
+        names = set(cls.__dataclass_fields__)
+        _need(set(d) == names, f"run.json fields differ: {sorted(set(d) ^ names)}")
+        _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
+        _need(isinstance(d["env_kwargs"], dict), "env_kwargs: object")
+        _need(
+            all(_num(v) or isinstance(v, str) for v in d["env_kwargs"].values()),
+            "env_kwargs: scalar values only",
+        )
+        files = d["model_files"]
+        _need(
+            isinstance(files, list) and all(isinstance(f, str) and "/" not in f for f in files),
+            "model_files: list of file names",
+        )
+        _need(d["precision"] in ("int8", "bf16"), "precision: int8 or bf16")
+        for k in ("vocab_size", "group_size", "groups_per_batch", "anchor_every"):
+            _need(_int(d[k], 1), f"{k}: positive integer")
+        _need(_int(d["max_lag"], 0), "max_lag: integer >= 0")
+        _need(isinstance(d["sampling"], dict), "sampling: object")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class VersionMeta:
+    """weights/{v}/meta.json, written last: a version exists once this does."""
+
+    version: int
+    kind: str  # full | patch
+    anchor: int  # newest anchor at or below this version
+    payload_bytes: int
+    payload_sha256: str
+    state_sha256: str  # of the state a worker rebuilds (at the run's precision)
+    full_bytes: int  # what a full checkpoint at this precision would weigh
+    created: float
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> VersionMeta:
+        d = loads(data)
+        names = set(cls.__dataclass_fields__)
+        _need(set(d) == names, f"meta.json fields differ: {sorted(set(d) ^ names)}")
+        _need(_int(d["version"]) and _int(d["anchor"], 0, d["version"]), "version/anchor")
+        _need(d["kind"] in ("full", "patch"), "kind: full or patch")
+        _need(d["kind"] == "patch" or d["anchor"] == d["version"], "a full version is its anchor")
+        _need(d["kind"] == "full" or d["version"] > 0, "v0 must be full")
+        for k in ("payload_sha256", "state_sha256"):
+            _need(isinstance(d[k], str) and len(d[k]) == 64, f"{k}: hex SHA-256")
+        _need(_int(d["payload_bytes"]) and _int(d["full_bytes"]), "sizes: integers")
+        _need(_num(d["created"]), "created: number")
+        return cls(**d)
+
+
+@dataclass
+class EpisodeRecord:
+    """One episode as a worker saw it: generated tokens only (no prompt)."""
+
+    tokens: list[int]
+    from_model: list[bool]
+    logprobs: list[float]  # behaviour log-prob per token; 0.0 on tool tokens
+    finish: str
+
+
+@dataclass
+class GroupRecord:
+    task_id: str
+    episodes: list[EpisodeRecord]
+
+
+@dataclass
+class RolloutBatch:
+    worker: str
+    version: int
+    seq: int
+    groups: list[GroupRecord] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)  # informational only
+
+
+def encode_batch(batch: RolloutBatch) -> bytes:
+    doc = asdict(batch)
+    for g in doc["groups"]:
+        for e in g["episodes"]:
+            e["from_model"] = "".join("1" if b else "0" for b in e["from_model"])
+    return zstandard.ZstdCompressor(level=3).compress(dumps(doc))
+
+
+def _episode(e: Any, vocab: int, max_tokens: int) -> EpisodeRecord:
+    _need(
+        isinstance(e, dict) and set(e) == {"tokens", "from_model", "logprobs", "finish"},
+        "episode fields",
+    )
+    toks, mask, lps = e["tokens"], e["from_model"], e["logprobs"]
+    _need(
+        isinstance(toks, list) and 0 < len(toks) <= max_tokens,
+        f"episode length must be 1..{max_tokens}",
+    )
+    _need(
+        isinstance(mask, str) and len(mask) == len(toks) and set(mask) <= {"0", "1"},
+        "from_model: 0/1 string as long as tokens",
+    )
+    _need(isinstance(lps, list) and len(lps) == len(toks), "logprobs as long as tokens")
+    _need(all(_int(t, 0, vocab - 1) for t in toks), "token id out of the vocabulary")
+    _need(all(_num(x) and -1e4 <= x <= 0.0 for x in lps), "logprobs: finite, <= 0")
+    _need(mask[0] == "1", "an episode starts with a model token")
+    _need(e["finish"] in FINISHES, f"finish: one of {FINISHES}")
+    return EpisodeRecord(list(toks), [c == "1" for c in mask], [float(x) for x in lps], e["finish"])
+
+
+def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
+    """A validated batch from untrusted bytes, or SchemaError."""
+    _need(len(data) <= MAX_BATCH_BYTES, "batch too large")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_BATCH_BYTES)
+    except zstandard.ZstdError as e:
+        raise SchemaError(f"not zstd: {e}") from None
+    d = loads(raw, MAX_BATCH_BYTES)
+    _need(set(d) == {"worker", "version", "seq", "groups", "stats"}, "batch fields")
+    try:
+        check_worker_id(d["worker"])
+    except (ValueError, TypeError):
+        raise SchemaError("worker: invalid id") from None
+    _need(_int(d["version"]) and _int(d["seq"]), "version/seq: integers")
+    _need(isinstance(d["stats"], dict) and all(_num(v) for v in d["stats"].values()), "stats")
+    groups = d["groups"]
+    _need(isinstance(groups, list) and groups, "groups: non-empty list")
+    _need(
+        sum(len(g.get("episodes", [])) for g in groups if isinstance(g, dict)) <= MAX_EPISODES,
+        "too many episodes",
+    )
+    out = []
+    for g in groups:
+        _need(isinstance(g, dict) and set(g) == {"task_id", "episodes"}, "group fields")
+        _need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
+        _need(isinstance(g["episodes"], list) and g["episodes"], "episodes: non-empty list")
+        out.append(
+            GroupRecord(g["task_id"], [_episode(e, vocab, max_tokens) for e in g["episodes"]])
+        )
+    return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]))

@@ -1,0 +1,183 @@
+"""Publishing versions of the weights, and following them from a worker.
+
+The trainer publishes v0 as a full anchor, then every version as a PULSE
+patch against the previous one (a full anchor every K versions). The
+payload goes first, `meta.json` last with put-if-absent: a crash leaves an
+unreferenced payload, never a visible half version. A follower applies the
+patches in order, starting over from the newest anchor when it is more than
+K behind or a patch does not rebuild to the hash that `meta.json` promises;
+it never holds a state whose hash differs from the meta.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from colonnade import pulse
+from colonnade.store import NotFound, ObjectStore
+
+from . import keys
+from .schemas import MAX_JSON_BYTES, SchemaError, VersionMeta, dumps, loads
+
+State = Mapping[str, torch.Tensor]
+
+
+class VersionError(RuntimeError):
+    """A published version that cannot be rebuilt as its meta promises."""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Published:
+    meta: VersionMeta
+    seconds: float
+
+
+class Publisher:
+    """Trainer side: turns successive float states into published versions."""
+
+    def __init__(self, store: ObjectStore, precision: str, anchor_every: int):
+        self.store, self.precision, self.anchor_every = store, precision, anchor_every
+        self.last: dict[str, torch.Tensor] | None = None  # prepared state of `version`
+        self.last_sha: str | None = None
+        self.version: int | None = None
+
+    def adopt(self, version: int, prepared: dict[str, torch.Tensor], sha: str) -> None:
+        """Continue after `version`, whose prepared state is already published."""
+        self.version, self.last, self.last_sha = version, prepared, sha
+
+    def publish(self, state: State) -> Published:
+        t0 = time.perf_counter()
+        v = 0 if self.version is None else self.version + 1
+        new = pulse.prepare(state, self.precision)
+        sha = pulse.state_sha256(new)
+        full = v == 0 or v % self.anchor_every == 0 or self.last is None
+        full_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        if full:
+            payload, key, anchor = st_save(new), keys.full_key(v), v
+        else:
+            payload = pulse.diff(
+                self.last, new, precision="exact", base_sha256=self.last_sha, result_sha256=sha
+            )
+            key, anchor = keys.patch_key(v), v - (v % self.anchor_every)
+        self.store.put(key, payload)
+        meta = VersionMeta(
+            version=v,
+            kind="full" if full else "patch",
+            anchor=anchor,
+            payload_bytes=len(payload),
+            payload_sha256=_sha(payload),
+            state_sha256=sha,
+            full_bytes=full_bytes,
+            created=time.time(),
+        )
+        if not self.store.put_if_absent(keys.meta_key(v), meta.to_json()):
+            raise VersionError(f"version {v} is already published: is another trainer running?")
+        self.store.put(keys.LATEST, dumps({"version": v}))
+        self.adopt(v, new, sha)
+        return Published(meta, time.perf_counter() - t0)
+
+
+def read_meta(store: ObjectStore, v: int) -> VersionMeta | None:
+    try:
+        return VersionMeta.from_json(store.get(keys.meta_key(v), max_bytes=MAX_JSON_BYTES))
+    except NotFound:
+        return None
+
+
+def latest_version(store: ObjectStore) -> int | None:
+    """The newest published version: the hint in latest.json, then probing forward."""
+    v = None
+    try:
+        hint = loads(store.get(keys.LATEST, max_bytes=MAX_JSON_BYTES)).get("version")
+        if isinstance(hint, int) and store.exists(keys.meta_key(hint)):
+            v = hint
+    except (NotFound, SchemaError):
+        pass
+    if v is None:
+        found = [k for k in store.list("weights/") if k.endswith("/meta.json")]
+        if not found:
+            return None
+        v = max(int(k.split("/")[1]) for k in found)
+    while store.exists(keys.meta_key(v + 1)):
+        v += 1
+    return v
+
+
+def _payload(store: ObjectStore, key: str, meta: VersionMeta) -> bytes:
+    data = store.get(key, max_bytes=meta.payload_bytes)
+    if _sha(data) != meta.payload_sha256:
+        raise VersionError(f"{key}: payload hash differs from meta.json")
+    return data
+
+
+def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
+    state = st_load(_payload(store, keys.full_key(meta.version), meta))
+    if pulse.state_sha256(state) != meta.state_sha256:
+        raise VersionError(f"v{meta.version}: anchor does not hash to meta.json's state_sha256")
+    return state
+
+
+class Follower:
+    """Worker side: the newest published state, rebuilt and verified."""
+
+    def __init__(self, store: ObjectStore, anchor_every: int):
+        self.store, self.anchor_every = store, anchor_every
+        self.state: dict[str, torch.Tensor] | None = None
+        self.version: int | None = None
+        self.sha: str | None = None
+        self.bytes_read = 0
+
+    def _meta(self, v: int) -> VersionMeta:
+        meta = read_meta(self.store, v)
+        if meta is None:
+            raise VersionError(f"version {v} has no meta.json")
+        return meta
+
+    def _from_anchor(self, target: VersionMeta) -> None:
+        anchor = self._meta(target.anchor)
+        self.state = load_full(self.store, anchor)
+        self.version, self.sha = anchor.version, anchor.state_sha256
+        self.bytes_read += anchor.payload_bytes
+        self._patch_to(target.version)
+
+    def _patch_to(self, target: int) -> None:
+        while self.version < target:
+            meta = self._meta(self.version + 1)
+            if meta.kind == "full":
+                self.state = load_full(self.store, meta)
+            else:
+                patch = _payload(self.store, keys.patch_key(meta.version), meta)
+                # apply() verifies the rebuilt state against the patch's own
+                # hash; that hash must be the one meta.json promises.
+                if pulse.read_header(patch)["result_sha256"] != meta.state_sha256:
+                    raise VersionError(f"v{meta.version}: patch and meta.json disagree")
+                self.state = pulse.apply(self.state, patch, base_sha256=self.sha)
+            self.bytes_read += meta.payload_bytes
+            self.version, self.sha = meta.version, meta.state_sha256
+
+    def sync(self, target: int | None = None) -> bool:
+        """Move to `target` (default: the newest version); True if the state changed."""
+        target = latest_version(self.store) if target is None else target
+        if target is None or target == self.version:
+            return False
+        meta = self._meta(target)
+        behind = None if self.version is None else target - self.version
+        if behind is None or behind < 0 or behind > self.anchor_every:
+            self._from_anchor(meta)
+            return True
+        try:
+            self._patch_to(target)
+        except (pulse.PatchError, VersionError, NotFound):
+            self._from_anchor(meta)  # a bad patch: start over from the anchor
+        return True
