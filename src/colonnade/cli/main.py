@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, pulse, run
+from . import bench, pulse, roles, run
 
 
 class CliError(Exception):
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"colonnade {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.register(sub)
+    roles.register(sub)
     pulse.register(sub)
     bench.register(sub)
     return parser

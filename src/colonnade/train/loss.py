@@ -30,6 +30,8 @@ class LossOut:
     mean_abs_diff: float  # mean |p − m| over model tokens
     mismatch_kl: float  # mean of log m − log p over model tokens (k1 estimate of KL(μ‖π))
     tokens: int  # model tokens considered
+    kept: int = 0  # model tokens the gate let through
+    loss_sum: torch.Tensor | None = None  # loss · kept: sums across micro-batches
 
 
 def dppo_mask(p: torch.Tensor, m: torch.Tensor, adv: torch.Tensor, cfg: GateConfig):
@@ -57,14 +59,15 @@ def dppo_loss(
     n = int(model_mask.sum())
     if n == 0:
         zero = logp.sum() * 0.0
-        return LossOut(zero, 0.0, 0.0, 0.0, 0)
+        return LossOut(zero, 0.0, 0.0, 0.0, 0, 0, zero)
     p = logp.detach().exp()
     m = behaviour_logp.exp()
     keep = dppo_mask(p, m, adv, cfg) & model_mask
     ratio = torch.clamp(p / m.clamp_min(1e-12), max=cfg.clip)
     per_token = -adv * ratio * logp
     kept = int(keep.sum())
-    loss = (per_token * keep).sum() / max(kept, 1)
+    loss_sum = (per_token * keep).sum()
+    loss = loss_sum / max(kept, 1)
     sel = model_mask
     return LossOut(
         loss=loss,
@@ -72,4 +75,6 @@ def dppo_loss(
         mean_abs_diff=float((p - m).abs()[sel].mean()),
         mismatch_kl=float((behaviour_logp - logp.detach())[sel].mean()),
         tokens=n,
+        kept=kept,
+        loss_sum=loss_sum,
     )

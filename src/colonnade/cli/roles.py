@@ -1,0 +1,124 @@
+"""`colonnade trainer` and `colonnade worker`: the two roles of a run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store", required=True, help="run prefix: a directory, file:///dir or s3://bucket/prefix"
+    )
+    p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
+    p.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "trainer",
+        help="update the weights from workers' rollouts and publish versions",
+        description="Run the trainer: writes run.json once, publishes v0, then for each "
+        "version collects rollout groups of versions >= v - max_lag, recomputes rewards, "
+        "takes a GRPO step with the DPPO gate and publishes v+1 as a PULSE patch. "
+        "Resumes from its checkpoint when the run exists.",
+    )
+    _common(t)
+    t.add_argument("--preset", help="named defaults: smoke | searchqa")
+    t.add_argument("--env", help="environment name or import path (default smoke)")
+    t.add_argument("--model", help="preset (tiny, smollm2-135m), model directory or hub name")
+    t.add_argument("--max-versions", type=int, help="stop after publishing this version")
+    t.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag (0: on-policy)")
+    t.add_argument("--precision", choices=["int8", "bf16"], help="of published weights")
+    t.add_argument("--lr", type=float, help="AdamW learning rate")
+    t.add_argument("--group-size", type=int, help="episodes per task (G)")
+    t.add_argument("--groups-per-step", type=int, help="groups per optimizer step")
+    t.add_argument("--checkpoint-every", type=int, help="versions between checkpoints")
+    t.add_argument("--anchor-every", type=int, help="versions between full anchors (K)")
+    t.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        default=None,
+        help="refuse to continue a run found under the prefix",
+    )
+    t.add_argument(
+        "--takeover",
+        action="store_true",
+        default=None,
+        help="resume even if another trainer's heartbeat is fresh (it is dead)",
+    )
+    t.set_defaults(handler=_trainer)
+    w = sub.add_parser(
+        "worker",
+        help="generate rollouts for a run (everything else comes from run.json)",
+        description="Run a rollout worker: follows the newest published weights, generates "
+        "groups of episodes with the int8 engine and uploads them. Stops when the run is "
+        "done, or on SIGTERM / Ctrl-C after the batch in flight.",
+    )
+    _common(w)
+    w.add_argument("--id", help="worker name (default: host-pid)")
+    w.add_argument("--device", help="cpu | cuda | mps | auto (default cpu)")
+    w.add_argument("--max-batches", type=int, help="stop after this many uploads")
+    w.set_defaults(handler=_worker)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    from colonnade.config import load_config
+    from colonnade.train.presets import PRESETS
+    from colonnade.train.trainer import RunConflict, Trainer, TrainerConfig
+
+    from .main import CliError
+
+    _logging(args.log_level)
+    preset = {}
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise CliError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+        preset = PRESETS[args.preset]
+    flags = {
+        k: getattr(args, k)
+        for k in (
+            "store",
+            "endpoint_url",
+            "env",
+            "model",
+            "max_versions",
+            "max_lag",
+            "precision",
+            "lr",
+            "group_size",
+            "groups_per_step",
+            "checkpoint_every",
+            "anchor_every",
+            "resume",
+            "takeover",
+        )
+    }
+    try:
+        cfg = load_config(TrainerConfig, args.config, base=preset, **flags)
+        Trainer(cfg).run()
+    except (ValueError, RunConflict) as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from colonnade.config import load_config
+    from colonnade.rollout.worker import Worker, WorkerConfig
+
+    from .main import CliError
+
+    _logging(args.log_level)
+    flags = {k: getattr(args, k) for k in ("store", "endpoint_url", "id", "device", "max_batches")}
+    try:
+        cfg = load_config(WorkerConfig, args.config, **flags)
+        return Worker(cfg).run()
+    except (ValueError, TimeoutError) as e:
+        raise CliError(str(e)) from None

@@ -1,0 +1,247 @@
+"""The rollout worker: follow the newest weights, generate groups, upload them.
+
+A worker knows only the store URL. It reads `run.json` (environment,
+sampling, group size, precision), fetches the model's config and tokenizer
+from `model/`, then loops: sync to the newest version (patches in order,
+verified by hash), run `groups_per_batch` tasks × `group_size` episodes with
+the int8 engine, upload the batch under `rollouts/{v}/{worker}/{seq}`, and
+heartbeat. It stops when the trainer writes `trainer/done.json`, or on
+SIGTERM / Ctrl-C after the batch in flight is uploaded. Store outages are
+retried with backoff and reported; the worker itself holds no state that
+matters, so killing it loses at most one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from colonnade.envs import load_environment
+from colonnade.model import load_dequantized, load_int8, pick_device, tied_aliases
+from colonnade.protocol import (
+    EpisodeRecord,
+    Follower,
+    GroupRecord,
+    RolloutBatch,
+    RunSpec,
+    VersionError,
+    encode_batch,
+    keys,
+)
+from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps
+from colonnade.store import NotFound, ObjectStore, StoreError, open_store
+
+from .engine import Engine
+from .episodes import run_episodes
+from .sampling import SamplingParams
+
+log = logging.getLogger("colonnade.worker")
+
+
+@dataclass
+class WorkerConfig:
+    store: str = ""
+    endpoint_url: str | None = None
+    id: str = ""  # default: host name and process id
+    device: str = "cpu"
+    max_batches: int = 0  # 0: until the run is done
+    poll_seconds: float = 1.0
+    join_timeout: float = 600.0  # how long to wait for run.json
+    seed: int = 0
+
+
+class Stop:
+    """Set by SIGTERM / SIGINT: finish the batch in flight, then exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        def handler(signum, frame):
+            if self.requested:  # a second Ctrl-C: drop the batch in flight
+                raise KeyboardInterrupt
+            log.info("stopping after the batch in flight (signal %d)", signum)
+            self.requested = True
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def _backoff(what: str, attempt: int, error: Exception) -> None:
+    delay = min(30.0, 0.5 * 2**attempt)
+    log.warning(
+        "store unavailable (%s, attempt %d): %s; retrying in %.1f s",
+        what,
+        attempt + 1,
+        error,
+        delay,
+    )
+    time.sleep(delay)
+
+
+def wait_for_run(store: ObjectStore, timeout: float, poll: float) -> RunSpec:
+    t0 = time.monotonic()
+    while True:
+        try:
+            return RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
+        except NotFound:
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"no run.json under {store.url} after {timeout:.0f} s") from None
+            time.sleep(poll)
+
+
+def fetch_model(store: ObjectStore, spec: RunSpec):
+    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
+    for name in spec.model_files:
+        (folder / name).write_bytes(store.get(keys.model_file(name), max_bytes=64 << 20))
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, store: ObjectStore | None = None):
+        self.cfg = cfg
+        self.id = keys.check_worker_id(cfg.id or f"{socket.gethostname()}-{os.getpid()}")
+        self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
+        self.stop = Stop()
+        self.seq = 0
+        self.batches = 0
+
+    def setup(self) -> None:
+        self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
+        self.env = load_environment(self.spec.env, **self.spec.env_kwargs)
+        model, self.tok = fetch_model(self.store, self.spec)
+        self.aliases = tied_aliases(model)
+        self.device = pick_device(self.cfg.device)
+        self.model = model
+        self.engine = Engine(model, self.tok)
+        s = dict(self.spec.sampling)
+        s["stop"] = tuple(s.get("stop", ()))
+        self.params = SamplingParams(**s)
+        self.follower = Follower(self.store, self.spec.anchor_every)
+        self.tasks = list(self.env.tasks("train"))
+        self.started = time.time()
+
+    def _load_weights(self) -> None:
+        state = self.follower.state
+        if self.spec.precision == "int8" and self.device.type == "cpu":
+            load_int8(self.model, state, self.aliases)
+        else:
+            load_dequantized(self.model, state, self.aliases)
+        self.model.to(self.device)
+        self.engine = Engine(self.model, self.tok, version=self.follower.version)
+
+    def sync(self) -> bool:
+        before = self.follower.version
+        if self.follower.sync():
+            self._load_weights()
+            log.info("now running v%d (was %s)", self.follower.version, before)
+            return True
+        return False
+
+    def make_batch(self) -> RolloutBatch:
+        v = self.follower.version
+        rng = random.Random(f"{self.cfg.seed}/{self.id}/{v}/{self.seq}")
+        chosen = rng.sample(self.tasks, min(self.spec.groups_per_batch, len(self.tasks)))
+        g = self.spec.group_size
+        results = run_episodes(
+            self.engine,
+            self.env,
+            [t for t in chosen for _ in range(g)],
+            self.params,
+            seed=rng.randrange(1 << 31),
+        )
+        groups = []
+        for i, task in enumerate(chosen):
+            eps = [r.episode for r in results[i * g : (i + 1) * g]]
+            groups.append(
+                GroupRecord(
+                    task.id,
+                    [EpisodeRecord(e.tokens, e.from_model, e.logprobs, e.finish) for e in eps],
+                )
+            )
+        reward = sum(r.score.reward for r in results) / len(results)
+        return RolloutBatch(self.id, v, self.seq, groups, {"reward_claimed": reward})
+
+    def upload(self, batch: RolloutBatch) -> str:
+        data = encode_batch(batch)
+        while True:
+            key = keys.rollout_key(batch.version, self.id, self.seq)
+            self.seq += 1
+            if self.store.put_if_absent(key, data):  # a restarted worker skips used seqs
+                return key
+            batch.seq = self.seq
+            data = encode_batch(batch)
+
+    def heartbeat(self) -> None:
+        doc = {
+            "worker": self.id,
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "device": str(self.device),
+            "engine": f"{self.spec.precision}-{'fbgemm' if self.device.type == 'cpu' else 'float'}",
+            "threads": torch.get_num_threads(),
+            "version": self.follower.version,
+            "batches": self.batches,
+            "time": time.time(),
+            "started": self.started,
+        }
+        self.store.put(keys.worker_key(self.id), dumps(doc))
+
+    def done(self) -> bool:
+        return self.store.exists(keys.DONE)
+
+    def iteration(self) -> None:
+        self.sync()
+        if self.follower.version is None:
+            time.sleep(self.cfg.poll_seconds)
+            return
+        t0 = time.perf_counter()
+        batch = self.make_batch()
+        key = self.upload(batch)
+        self.batches += 1
+        log.info(
+            "uploaded %s (%d groups, %.1f s)", key, len(batch.groups), time.perf_counter() - t0
+        )
+        self.heartbeat()
+
+    def run(self) -> int:
+        """Loop until the run is done, a signal, or max_batches; the exit status."""
+        self.stop.install()
+        self.setup()
+        attempt = 0
+        while not self.stop.requested:
+            if self.cfg.max_batches and self.batches >= self.cfg.max_batches:
+                break
+            try:
+                if self.done():
+                    log.info("the trainer finished the run")
+                    break
+                self.iteration()
+                attempt = 0
+            except (StoreError, VersionError) as e:
+                # NotFound and VersionError here mean a version vanished or
+                # does not verify: worth a few retries, not an endless loop.
+                if isinstance(e, NotFound | VersionError) and attempt > 5:
+                    raise
+                _backoff("worker loop", attempt, e)
+                attempt += 1
+        log.info("worker %s: %d batches uploaded", self.id, self.batches)
+        return 0

@@ -1,0 +1,119 @@
+"""Gathering rollout batches for a step: fresh enough, unconsumed, verified.
+
+The collector lists `rollouts/{u}/` for the versions u the step may use
+(v − max_lag … v), takes whole batches in key order until it has enough
+groups, and remembers every key it took, so no batch trains twice, across
+restarts too (the trainer persists the keys per version). Batches of
+versions that fell out of the window are counted once, as dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from colonnade.protocol import SchemaError, decode_batch, keys
+from colonnade.store import NotFound, ObjectStore
+
+from .samples import Rejected, Sample
+
+log = logging.getLogger("colonnade.trainer")
+
+
+@dataclass
+class Collected:
+    groups: list[list[Sample]]
+    keys: list[str]
+    staleness: Counter  # version lag -> groups
+    wait_seconds: float
+
+
+@dataclass
+class Collector:
+    store: ObjectStore
+    rebuild: Callable  # (GroupRecord, version) -> list[Sample]; raises Rejected
+    vocab: int
+    max_tokens: int
+    max_lag: int
+    poll_seconds: float = 1.0
+    consumed: set[str] = field(default_factory=set)
+    swept_below: int = 0  # versions below this were counted as dropped
+    counts: Counter = field(default_factory=Counter)
+    per_worker: dict[str, Counter] = field(default_factory=dict)
+
+    def _sweep(self, v: int) -> None:
+        lowest = max(0, v - self.max_lag)
+        for u in range(self.swept_below, lowest):
+            stale = [k for k in self.store.list(keys.rollouts_dir(u)) if k not in self.consumed]
+            self.counts["batches_dropped_stale"] += len(stale)
+            self.consumed.update(stale)
+        self.swept_below = max(self.swept_below, lowest)
+
+    def _take(self, key: str, v: int) -> list[list[Sample]]:
+        parsed = keys.parse_rollout_key(key)
+        if parsed is None:
+            return []
+        version, worker, _ = parsed
+        stats = self.per_worker.setdefault(worker, Counter())
+        try:
+            batch = decode_batch(self.store.get(key), self.vocab, self.max_tokens)
+            if batch.version != version or batch.worker != worker:
+                raise SchemaError("batch names another version or worker than its key")
+        except (SchemaError, NotFound) as e:
+            log.warning("rejected batch %s: %s", key, e)
+            self.counts["batches_rejected"] += 1
+            stats["batches_rejected"] += 1
+            return []
+        groups = []
+        for g in batch.groups:
+            try:
+                groups.append(self.rebuild(g, version))
+            except (Rejected, KeyError) as e:
+                self.counts["groups_rejected"] += 1
+                stats["groups_rejected"] += 1
+                log.warning("rejected a group of %s from %s: %s", g.task_id, key, e)
+        stats["groups"] += len(groups)
+        return groups
+
+    def collect(self, v: int, need: int, timeout: float | None = None) -> Collected:
+        """At least `need` groups made with versions v − max_lag … v (or fewer on timeout)."""
+        t0, last_report = time.monotonic(), time.monotonic()
+        out = Collected([], [], Counter(), 0.0)
+        while len(out.groups) < need:
+            self._sweep(v)
+            fresh = [
+                k
+                for u in range(max(0, v - self.max_lag), v + 1)
+                for k in self.store.list(keys.rollouts_dir(u))
+                if k not in self.consumed
+            ]
+            for key in fresh:
+                groups = self._take(key, v)
+                self.consumed.add(key)
+                out.keys.append(key)
+                for g in groups:
+                    out.staleness[v - g[0].version] += 1
+                out.groups.extend(groups)
+                if len(out.groups) >= need:
+                    break
+            if len(out.groups) >= need:
+                break
+            waited = time.monotonic() - t0
+            if timeout is not None and waited > timeout:
+                log.warning("gave up waiting for rollouts after %.0f s", waited)
+                break
+            if time.monotonic() - last_report > 10:
+                log.info(
+                    "waiting for rollouts: %d/%d groups for v%d (%.0f s)",
+                    len(out.groups),
+                    need,
+                    v,
+                    waited,
+                )
+                last_report = time.monotonic()
+            time.sleep(self.poll_seconds)
+        out.wait_seconds = time.monotonic() - t0
+        return out

@@ -1,0 +1,266 @@
+"""The trainer: one process that updates the weights and publishes versions.
+
+    start:  run.json (put-if-absent), model files, checkpoint v0, publish v0
+    loop:   collect groups (v − max_lag … v) → recompute rewards → DPPO step
+            → record consumed batches → publish v+1 (patch; anchor every K)
+            → metrics, heartbeat; checkpoint every N versions
+    end:    trainer/done.json, which tells workers to stop
+
+Resuming loads the newest checkpoint and continues after the newest
+*published* version: version numbers are never skipped or reused, and
+batches recorded as consumed are never used again (updates made after the
+checkpoint are lost; their batches stay consumed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from colonnade.envs import load_environment
+from colonnade.model import load_model, publishable_state, resolve_model
+from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
+from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
+from colonnade.rollout.sampling import SamplingParams
+from colonnade.store import NotFound, ObjectStore, open_store
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .collect import Collector
+from .loss import GateConfig
+from .samples import rebuild_group
+from .step import StepConfig, train_step
+
+log = logging.getLogger("colonnade.trainer")
+MODEL_FILE_LIMIT = 64 << 20
+
+
+class RunConflict(RuntimeError):
+    """The prefix holds a run this trainer must not take over."""
+
+
+@dataclass
+class TrainerConfig:
+    store: str = ""
+    endpoint_url: str | None = None
+    env: str = "smoke"
+    env_kwargs: dict = field(default_factory=dict)
+    model: str = "tiny"
+    precision: str = "int8"  # of published weights: what workers run
+    max_versions: int = 20  # stop once this version is published
+    max_lag: int = 2  # 0: synchronous on-policy
+    anchor_every: int = 10
+    group_size: int = 8
+    groups_per_step: int = 8
+    groups_per_batch: int = 2  # per worker upload
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    max_turn_tokens: int = 96
+    max_episode_tokens: int = 512
+    delta_low: float = 0.15
+    delta_high: float = 0.15
+    ratio_clip: float = 2.0
+    micro_batch: int = 8
+    checkpoint_every: int = 5
+    poll_seconds: float = 1.0
+    resume: bool = True  # continue a run found under the prefix
+    takeover: bool = False  # ignore a fresh heartbeat of another trainer
+    heartbeat_timeout: float = 60.0
+    seed: int = 0
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            max_turn_tokens=self.max_turn_tokens,
+            max_episode_tokens=self.max_episode_tokens,
+        )
+
+
+def _model_files(model_dir: Path) -> dict[str, bytes]:
+    """Everything but weights: config, tokenizer, generation config."""
+    out = {}
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin")) and p.stat().st_size:
+            if p.stat().st_size > MODEL_FILE_LIMIT:
+                raise ValueError(f"{p}: larger than {MODEL_FILE_LIMIT} bytes")
+            out[p.name] = p.read_bytes()
+    return out
+
+
+def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
+    sp = asdict(cfg.sampling())
+    sp["stop"] = list(sp["stop"])
+    return RunSpec(
+        run_id=uuid.uuid4().hex[:12],
+        env=cfg.env,
+        env_kwargs=dict(cfg.env_kwargs),
+        model_files=files,
+        vocab_size=vocab,
+        precision=cfg.precision,
+        group_size=cfg.group_size,
+        groups_per_batch=cfg.groups_per_batch,
+        max_lag=cfg.max_lag,
+        anchor_every=cfg.anchor_every,
+        sampling=sp,
+    )
+
+
+def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
+    try:
+        hb = loads(store.get(keys.HEARTBEAT, max_bytes=MAX_JSON_BYTES))
+    except NotFound:
+        return
+    age = time.time() - float(hb.get("time", 0))
+    if age < cfg.heartbeat_timeout and not cfg.takeover:
+        raise RunConflict(
+            f"another trainer ({hb.get('host')}, {hb.get('instance')}) wrote a heartbeat "
+            f"{age:.0f} s ago under {store.url}; if it is dead, pass --takeover"
+        )
+
+
+class Trainer:
+    """The loop's state: model, optimizer, publisher, collector."""
+
+    def __init__(self, cfg: TrainerConfig, store: ObjectStore | None = None):
+        self.cfg = cfg
+        self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
+        self.instance = uuid.uuid4().hex[:8]
+        self.env = load_environment(cfg.env, **cfg.env_kwargs)
+        torch.manual_seed(cfg.seed)
+        path = resolve_model(cfg.model, self.env.tokenizer_texts())
+        self.model, self.tok = load_model(path, dtype=torch.float32)
+        self.model_dir = Path(path)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every)
+        self.step_cfg = StepConfig(
+            temperature=cfg.temperature,
+            micro_batch=cfg.micro_batch,
+            gate=GateConfig(cfg.delta_low, cfg.delta_high, cfg.ratio_clip),
+        )
+        self.spec: RunSpec | None = None
+        self.collector: Collector | None = None
+
+    # -- start or resume ------------------------------------------------------------
+    def open(self) -> None:
+        if self.store.exists(keys.RUN):
+            self._resume()
+        else:
+            self._start()
+        train_ids = {t.id for t in self.env.tasks("train")}
+        stop = tuple(dict.fromkeys((*self.spec.sampling["stop"], *self.env.stop)))
+        max_len = self.model.config.max_position_embeddings
+        self.collector = Collector(
+            self.store,
+            lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, max_len, train_ids),
+            vocab=self.spec.vocab_size,
+            max_tokens=self.cfg.max_episode_tokens + self.cfg.max_turn_tokens,
+            max_lag=self.cfg.max_lag,
+            poll_seconds=self.cfg.poll_seconds,
+            consumed=self._consumed(),
+        )
+
+    def _start(self) -> None:
+        files = _model_files(self.model_dir)
+        for name, data in files.items():
+            self.store.put(keys.model_file(name), data)
+        spec = run_spec(self.cfg, sorted(files), self.model.config.vocab_size)
+        if not self.store.put_if_absent(keys.RUN, spec.to_json()):
+            raise RunConflict(f"another trainer created a run under {self.store.url} just now")
+        self.spec = spec
+        self._heartbeat(None)
+        save_checkpoint(self.store, 0, self.model, self.opt, {"instance": self.instance})
+        meta = self.publisher.publish(publishable_state(self.model)).meta
+        log.info("run %s: published v0 (%d bytes, full)", spec.run_id, meta.payload_bytes)
+
+    def _resume(self) -> None:
+        if not self.cfg.resume:
+            raise RunConflict(f"a run already exists under {self.store.url} (resume is off)")
+        _check_takeover(self.store, self.cfg)
+        self.spec = RunSpec.from_json(self.store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
+        ckpt = latest_checkpoint(self.store)
+        if ckpt is None:
+            raise RunConflict(f"the run under {self.store.url} has no checkpoint to resume from")
+        load_checkpoint(self.store, ckpt, self.model, self.opt)
+        latest = latest_version(self.store)
+        if latest is None:  # died between the v0 checkpoint and v0
+            self.publisher.publish(publishable_state(self.model))
+            return
+        follower = Follower(self.store, self.spec.anchor_every)
+        follower.sync(latest)
+        self.publisher.adopt(latest, follower.state, follower.sha)
+        lost = f"; the updates of v{ckpt + 1}..v{latest} are lost" if latest > ckpt else ""
+        log.info(
+            "resumed run %s from checkpoint v%d at v%d%s", self.spec.run_id, ckpt, latest, lost
+        )
+
+    def _consumed(self) -> set[str]:
+        out: set[str] = set()
+        for key in self.store.list("trainer/consumed/"):
+            out.update(json.loads(self.store.get(key, max_bytes=64 << 20)))
+        return out
+
+    # -- the loop ---------------------------------------------------------------------
+    def _heartbeat(self, version: int | None) -> None:
+        doc = {
+            "instance": self.instance,
+            "host": socket.gethostname(),
+            "time": time.time(),
+            "version": version,
+        }
+        self.store.put(keys.HEARTBEAT, dumps(doc))
+
+    def step(self) -> dict:
+        """Train on one collection and publish the next version; its metrics."""
+        v = self.publisher.version
+        got = self.collector.collect(v, self.cfg.groups_per_step)
+        metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
+        new_v = v + 1
+        ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
+        self.store.put(ledger, json.dumps(sorted(got.keys)).encode())
+        pub = self.publisher.publish(publishable_state(self.model))
+        metrics.update(
+            version=new_v,
+            staleness={str(k): n for k, n in sorted(got.staleness.items())},
+            wait_seconds=round(got.wait_seconds, 3),
+            publish_seconds=round(pub.seconds, 3),
+            patch_bytes=pub.meta.payload_bytes,
+            full_bytes=pub.meta.full_bytes,
+            kind=pub.meta.kind,
+            **{k: int(n) for k, n in self.collector.counts.items()},
+            time=time.time(),
+        )
+        self.store.put(keys.metrics_key("trainer", "main", new_v), dumps(metrics))
+        self._heartbeat(new_v)
+        if new_v % self.cfg.checkpoint_every == 0:
+            save_checkpoint(self.store, new_v, self.model, self.opt, {"instance": self.instance})
+        return metrics
+
+    def run(self) -> None:
+        self.open()
+        while self.publisher.version < self.cfg.max_versions:
+            m = self.step()
+            log.info(
+                "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
+                "wait %.1fs patch %d B (%.2f%% of full)",
+                m["version"],
+                m["loss"],
+                m["reward_mean"],
+                m["pass_rate"],
+                m["masked_fraction"],
+                m["mismatch_kl"],
+                m["tokens"],
+                m["wait_seconds"],
+                m["patch_bytes"],
+                100 * m["patch_bytes"] / max(1, m["full_bytes"]),
+            )
+        self.store.put(keys.DONE, dumps({"version": self.publisher.version, "time": time.time()}))
+        log.info("done: published v%d", self.publisher.version)
