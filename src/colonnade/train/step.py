@@ -91,7 +91,7 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         totals["kept"] += out.kept
         totals["abs_diff"] += out.mean_abs_diff * out.tokens
         totals["kl"] += out.mismatch_kl * out.tokens
-        totals["loss"] += float(out.loss_sum)
+        totals["loss"] += float(out.loss_sum.detach())
     kept, tokens = totals["kept"], totals["tokens"]
     grad_norm = 0.0
     if kept:

@@ -1,0 +1,121 @@
+"""Trainer and two workers as separate OS processes over a LocalStore.
+
+One run, smoke env: the trainer is killed with SIGKILL mid-run and
+restarted; afterwards every version 0..N exists exactly once and rebuilds to
+its hash on a fresh follower, no rollout batch was consumed twice, and every
+consumed batch was within max_lag of the version it trained.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colonnade import pulse
+from colonnade.protocol import Follower, keys, latest_version, read_meta
+from colonnade.store import LocalStore
+
+MAX_VERSIONS = 7
+MAX_LAG = 1
+
+
+def _spawn(args, log: Path, env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "colonnade.cli.main", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def _wait(cond, timeout, what, procs=()):
+    t0 = time.monotonic()
+    while not cond():
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"{what}: a process exited with {p.returncode}")
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_run_survives_a_trainer_kill(tmp_path):
+    root = tmp_path / "run"
+    env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    trainer_args = [
+        "trainer",
+        "--store",
+        str(root),
+        "--preset",
+        "smoke",
+        "--max-versions",
+        str(MAX_VERSIONS),
+        "--max-lag",
+        str(MAX_LAG),
+        "--checkpoint-every",
+        "2",
+        "--anchor-every",
+        "3",
+    ]
+    trainer = _spawn(trainer_args, tmp_path / "trainer1.log", env)
+    store = LocalStore(root)
+    workers = []
+    try:
+        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        workers = [
+            _spawn(["worker", "--store", str(root), "--id", f"w{i}"], tmp_path / f"w{i}.log", env)
+            for i in (1, 2)
+        ]
+        _wait(lambda: (latest_version(store) or 0) >= 3, 180, "v3", [trainer, *workers])
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        killed_at = latest_version(store)
+        trainer = _spawn([*trainer_args, "--takeover"], tmp_path / "trainer2.log", env)
+        assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer2.log").read_text()[-3000:]
+        for w in workers:
+            assert w.wait(timeout=60) == 0  # they see done.json and exit cleanly
+    finally:
+        for p in (trainer, *workers):
+            if p.poll() is None:
+                p.kill()
+    log2 = (tmp_path / "trainer2.log").read_text()
+    assert "resumed run" in log2
+    assert latest_version(store) == MAX_VERSIONS > killed_at
+
+    metas = [read_meta(store, v) for v in range(MAX_VERSIONS + 1)]
+    assert all(m is not None and m.version == v for v, m in enumerate(metas))
+    assert [m.kind for m in metas] == [
+        "full" if v % 3 == 0 else "patch" for v in range(MAX_VERSIONS + 1)
+    ]
+    for v in range(MAX_VERSIONS + 1):
+        f = Follower(store, anchor_every=3)
+        f.sync(v)
+        assert pulse.state_sha256(f.state) == metas[v].state_sha256
+
+    seen: dict[str, str] = {}
+    for ledger in store.list("trainer/consumed/"):
+        trained = int(ledger.split("/")[-1].split("-")[0])
+        for key in json.loads(store.get(ledger)):
+            assert key not in seen, f"{key} consumed by {seen[key]} and {ledger}"
+            seen[key] = ledger
+            version = keys.parse_rollout_key(key)[0]
+            assert trained - 1 - version <= MAX_LAG
+    assert seen, "no batches were consumed"
+    rows = [json.loads(store.get(k)) for k in store.list("metrics/trainer/")]
+    assert {r["version"] for r in rows} >= set(range(killed_at + 1, MAX_VERSIONS + 1))
+    for r in rows:
+        assert r["episodes"] >= 4 * 4 and set(r) >= {
+            "loss",
+            "masked_fraction",
+            "staleness",
+            "patch_bytes",
+            "wait_seconds",
+        }
+    hb = json.loads(store.get(keys.worker_key("w1")))
+    assert hb["engine"].startswith("int8") and hb["batches"] >= 1
