@@ -91,7 +91,9 @@ def test_policy_logprobs_left_padded_match_one_by_one(tiny, sqa):
         ),
         _episode(tok, sqa, tasks[1], ["<answer>y</answer>"]),
     ]
-    samples = [_rebuild(tok, sqa, GroupRecord(t.id, [e]))[0] for t, e in zip(tasks, eps)]
+    samples = [
+        _rebuild(tok, sqa, GroupRecord(t.id, [e]))[0] for t, e in zip(tasks, eps, strict=True)
+    ]
     with torch.no_grad():
         lp = policy_logprobs(model, samples, tok.pad_token_id, 1.0)
         for r, s in enumerate(samples):
