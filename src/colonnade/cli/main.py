@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, pulse, roles, run
+from . import bench, evaluate, pulse, roles, run
 
 
 class CliError(Exception):
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.register(sub)
     roles.register(sub)
+    evaluate.register(sub)
     pulse.register(sub)
     bench.register(sub)
     return parser

@@ -37,7 +37,7 @@ def _texts_digest(texts: Iterable[str]) -> tuple[str, list[str]]:
     return h.hexdigest(), items
 
 
-def _build_once(target: Path, build: Callable[[Path], None], facts: dict) -> Path:
+def build_once(target: Path, build: Callable[[Path], None], facts: dict) -> Path:
     if (target / READY).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,13 +75,11 @@ def resolve_model(
         facts = {"preset": "tiny", "spec": spec.as_dict(), "texts_sha256": digest}
         key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
         return str(
-            _build_once(
-                root / "models" / f"tiny-{key}", lambda d: build_tiny(d, items, spec), facts
-            )
+            build_once(root / "models" / f"tiny-{key}", lambda d: build_tiny(d, items, spec), facts)
         )
     if name == "smollm2-135m":
         facts = {"preset": name}
-        return str(_build_once(root / "models" / name, build_smollm2, facts))
+        return str(build_once(root / "models" / name, build_smollm2, facts))
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

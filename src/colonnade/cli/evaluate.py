@@ -1,0 +1,181 @@
+"""`colonnade eval` and `colonnade warmstart`: a model's figures, and a weak base."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="pass@1, search rate and format rate of a model on an environment split",
+        description="Evaluate a model on an environment split with the rollout engine "
+        "(int8 by default, as workers run it): pass@1 sampled at --temperature and "
+        "greedy, search rate, search success, mean turns, format rate.",
+    )
+    e.add_argument("--model", required=True, help="model directory, preset or hub name")
+    e.add_argument("--env", default="searchqa", help="environment name or import path")
+    e.add_argument("--split", default="test", choices=["train", "test"])
+    e.add_argument("-n", type=int, default=500, help="tasks to run (first n of the split)")
+    e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
+    e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto")
+    e.add_argument("--temperature", type=float, default=1.0, help="of the sampled pass")
+    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    e.set_defaults(handler=_eval)
+    w = sub.add_parser(
+        "warmstart",
+        help="supervised warm start on the environment's demonstrations (cached)",
+        description="Fine-tune a model on demonstrations: a --good-fraction share of good "
+        "trajectories (search, then answer from the information), the rest guesses, so "
+        "RL has a weak base that knows the format. Deterministic; a second run with the "
+        "same settings reuses the result.",
+    )
+    w.add_argument("--model", default="tiny", help="preset, model directory or hub name")
+    w.add_argument("--env", default="searchqa", help="environment name or import path")
+    w.add_argument("--out", type=Path, help="model directory to write (default: the cache)")
+    w.add_argument("--good-fraction", type=float, default=None, help="share of good demos")
+    w.add_argument("--steps", type=int, help="optimizer steps (default per model)")
+    w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
+    w.add_argument("--lr", type=float, help="peak learning rate (default per model)")
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(handler=_warmstart)
+
+
+def _progress(description: str, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        "{task.fields[info]}",
+        transient=True,
+        console=_console(),
+    )
+    task = bar.add_task(description, total=total, info="")
+    return bar, task
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def run_eval(
+    model: str,
+    env_name: str,
+    split: str,
+    n: int,
+    precision: str,
+    device: str,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    greedy: bool,
+) -> dict:
+    from colonnade.envs import load_environment
+    from colonnade.model import resolve_model
+    from colonnade.rollout import SamplingParams, load_engine
+    from colonnade.rollout.evaluate import evaluate
+
+    env = load_environment(env_name)
+    tasks = list(env.tasks(split))[:n]
+    if not tasks:
+        raise ValueError(f"split {split!r} of {env_name} has no tasks")
+    engine = load_engine(resolve_model(model, env.tokenizer_texts()), precision, device)
+    passes = [("sampled", temperature)] + ([("greedy", 0.0)] if greedy else [])
+    bar, task = _progress("eval", len(tasks) * len(passes))
+    out: dict = {}
+    with bar:
+        for i, (name, temp) in enumerate(passes):
+            done = i * len(tasks)
+            figures = evaluate(
+                engine,
+                env,
+                tasks,
+                SamplingParams(temperature=temp),
+                batch_size,
+                seed,
+                progress=lambda k, _t, done=done, name=name: bar.update(
+                    task, completed=done + k, info=name
+                ),
+            )
+            if name == "sampled":
+                out.update(figures)
+            else:
+                out["greedy"] = figures
+    out["temperature"] = temperature
+    return out
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .main import CliError
+
+    if args.n < 1 or args.batch_size < 1:
+        raise CliError("-n and --batch-size must be at least 1")
+    try:
+        out = run_eval(
+            args.model,
+            args.env,
+            args.split,
+            args.n,
+            args.precision,
+            args.device,
+            args.temperature,
+            args.batch_size,
+            args.seed,
+            not args.no_greedy,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    rows = [("sampled", out)] + ([("greedy", out["greedy"])] if "greedy" in out else [])
+    print(f"{args.env} {args.split}, n={out['n']}, {args.precision}")
+    keys = [
+        k for k in ("pass_at_1", "search_rate", "search_success", "turns", "format_ok") if k in out
+    ]
+    print(f"{'':10}" + "".join(f"{k:>16}" for k in keys))
+    for name, figs in rows:
+        print(f"{name:10}" + "".join(f"{figs.get(k, float('nan')):>16.3f}" for k in keys))
+    return 0
+
+
+def _warmstart(args: argparse.Namespace) -> int:
+    from colonnade.train.warmstart import WarmstartConfig, warmstart
+
+    from .main import CliError
+
+    cfg = WarmstartConfig(
+        model=args.model,
+        env=args.env,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    if args.good_fraction is not None:
+        cfg.good_fraction = args.good_fraction
+    res = cfg.resolved()
+    bar, task = _progress("warm start", res.steps)
+    try:
+        with bar:
+            path, built = warmstart(
+                cfg,
+                args.out,
+                progress=lambda s, n, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
+            )
+    except (ValueError, FileExistsError, TypeError) as e:
+        raise CliError(str(e)) from None
+    print(f"{'built' if built else 'reused'} {path}", file=sys.stderr)
+    print(path)
+    return 0

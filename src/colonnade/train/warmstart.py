@@ -1,0 +1,115 @@
+"""Supervised warm start: a weak base policy that RL can lift.
+
+RL cannot improve a policy that never produces the task's format. The warm
+start fine-tunes the model on the environment's demonstrations: a
+`good_fraction` share of good trajectories (search, then answer from the
+information) and the rest poor ones (answer at once with a guess), so the
+base model knows the format but mostly guesses. The result is a normal
+model directory, keyed by the hash of everything that defines it, so a
+second call with the same settings returns it without training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from colonnade.envs import load_environment
+from colonnade.model import load_model, resolve_model
+from colonnade.model.loading import READY, build_once, cache_root
+
+from .sft import demonstrations, train_sft
+
+# Per-model defaults: a from-scratch 2M model wants a large step; a
+# pretrained 135M one a small step and few of them.
+MODEL_DEFAULTS = {
+    "tiny": {"lr": 3e-3, "steps": 800, "batch_size": 8},
+    "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4},
+}
+
+
+@dataclass
+class WarmstartConfig:
+    model: str = "tiny"
+    env: str = "searchqa"
+    env_kwargs: dict = field(default_factory=dict)
+    good_fraction: float = 0.35
+    steps: int | None = None  # None: the model's default
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+
+    def resolved(self) -> WarmstartConfig:
+        d = MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["smollm2-135m"])
+        return dataclasses.replace(
+            self,
+            steps=self.steps or d["steps"],
+            batch_size=self.batch_size or d["batch_size"],
+            lr=self.lr or d["lr"],
+        )
+
+    def key(self, base_path: str) -> str:
+        facts = {**dataclasses.asdict(self.resolved()), "base": Path(base_path).name}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_dir(cfg: WarmstartConfig, base_path: str) -> Path:
+    return cache_root() / "warmstart" / f"{cfg.env}-{cfg.model}-{cfg.key(base_path)}"
+
+
+def warmstart(
+    cfg: WarmstartConfig,
+    out: Path | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[Path, bool]:
+    """(model directory, whether it was built now rather than reused)."""
+    cfg = cfg.resolved()
+    env = load_environment(cfg.env, **cfg.env_kwargs)
+    base = resolve_model(cfg.model, env.tokenizer_texts())
+    target = Path(out) if out else default_dir(cfg, base)
+    key = cfg.key(base)
+    ready = target / READY
+    if ready.is_file():
+        if json.loads(ready.read_text()).get("warmstart_key") == key:
+            return target, False
+        raise FileExistsError(f"{target} holds another model; choose another --out")
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not a warm-start directory")
+    if target.exists():
+        target.rmdir()
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(cfg.seed)
+        model, tok = load_model(base, dtype=torch.float32)
+        examples = demonstrations(tok, env, env.tasks("train"), cfg.good_fraction, cfg.seed)
+        t0 = time.perf_counter()
+        losses = train_sft(
+            model,
+            examples,
+            tok.pad_token_id,
+            cfg.steps,
+            cfg.batch_size,
+            cfg.lr,
+            cfg.seed,
+            progress=(lambda s, loss: progress(s, cfg.steps, loss)) if progress else None,
+        )
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        summary = {
+            "losses_first_last": [losses[0], losses[-1]],
+            "seconds": round(time.perf_counter() - t0, 1),
+            "examples": len(examples),
+        }
+        (tmp / "warmstart.json").write_text(
+            json.dumps({"config": dataclasses.asdict(cfg), "base": base, **summary}, indent=1)
+        )
+
+    facts = {"warmstart_key": key, "config": dataclasses.asdict(cfg)}
+    return build_once(target, build, facts), True
