@@ -49,6 +49,11 @@ def loads(data: bytes, limit: int = MAX_JSON_BYTES) -> dict:
     return doc
 
 
+def _same_fields(cls, d: dict, what: str) -> None:
+    names = set(cls.__dataclass_fields__)
+    _need(set(d) == names, f"{what} fields differ: {sorted(set(d) ^ names)}")
+
+
 def dumps(doc: dict) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -77,8 +82,7 @@ class RunSpec:
     def from_json(cls, data: bytes) -> RunSpec:
         d = loads(data)
         _need(d.get("protocol") == PROTOCOL_VERSION, f"unsupported protocol {d.get('protocol')!r}")
-        names = set(cls.__dataclass_fields__)
-        _need(set(d) == names, f"run.json fields differ: {sorted(set(d) ^ names)}")
+        _same_fields(cls, d, "run.json")
         _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
         _need(isinstance(d["env_kwargs"], dict), "env_kwargs: object")
         _need(
@@ -117,8 +121,7 @@ class VersionMeta:
     @classmethod
     def from_json(cls, data: bytes) -> VersionMeta:
         d = loads(data)
-        names = set(cls.__dataclass_fields__)
-        _need(set(d) == names, f"meta.json fields differ: {sorted(set(d) ^ names)}")
+        _same_fields(cls, d, "meta.json")
         _need(_int(d["version"]) and _int(d["anchor"], 0, d["version"]), "version/anchor")
         _need(d["kind"] in ("full", "patch"), "kind: full or patch")
         _need(d["kind"] == "patch" or d["anchor"] == d["version"], "a full version is its anchor")

@@ -40,6 +40,14 @@ def _responder(env: Environment, task: Task):
     return respond
 
 
+def episode_stops(stop: Sequence[str], env: Environment) -> tuple[str, ...]:
+    """The sampling stop strings joined with the environment's, in order, once each.
+
+    Workers sample with these and the trainer cuts turns with them: both must agree.
+    """
+    return tuple(dict.fromkeys((*stop, *env.stop)))
+
+
 def run_episodes(
     engine: Engine,
     env: Environment,
@@ -48,7 +56,7 @@ def run_episodes(
     seed: int = 0,
 ) -> list[Result]:
     """One episode per task (repeat a task in `tasks` for a group), scored."""
-    params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
+    params = replace(params, stop=episode_stops(params.stop, env))
     prompts = [chat_prompt(engine.tokenizer, env.prompt(t)) for t in tasks]
     episodes = engine.generate(prompts, [_responder(env, t) for t in tasks], params, seed)
     return [Result(t, ep, env.score(t, ep.turns)) for t, ep in zip(tasks, episodes, strict=True)]

@@ -131,7 +131,7 @@ class Worker:
         self.aliases = tied_aliases(model)
         self.device = pick_device(self.cfg.device)
         self.model = model
-        self.engine = Engine(model, self.tok)
+        self.engine: Engine | None = None  # built once the first version's weights load
         s = dict(self.spec.sampling)
         s["stop"] = tuple(s.get("stop", ()))
         self.params = SamplingParams(**s)

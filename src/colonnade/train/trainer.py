@@ -28,6 +28,7 @@ from colonnade.envs import load_environment
 from colonnade.model import load_model, publishable_state, resolve_model
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
+from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import NotFound, ObjectStore, open_store
 
@@ -156,7 +157,7 @@ class Trainer:
         else:
             self._start()
         train_ids = {t.id for t in self.env.tasks("train")}
-        stop = tuple(dict.fromkeys((*self.spec.sampling["stop"], *self.env.stop)))
+        stop = episode_stops(self.spec.sampling["stop"], self.env)
         max_len = self.model.config.max_position_embeddings
         self.collector = Collector(
             self.store,
