@@ -19,6 +19,7 @@ import pytest
 from colonnade import pulse
 from colonnade.protocol import Follower, keys, latest_version, read_meta
 from colonnade.store import LocalStore
+from colonnade.telemetry import read_rows
 
 MAX_VERSIONS = 7
 MAX_LAG = 1
@@ -107,7 +108,7 @@ def test_run_survives_a_trainer_kill(tmp_path):
             version = keys.parse_rollout_key(key)[0]
             assert trained - 1 - version <= MAX_LAG
     assert seen, "no batches were consumed"
-    rows = [json.loads(store.get(k)) for k in store.list("metrics/trainer/")]
+    rows = read_rows(store, "trainer")["trainer-main"]
     assert {r["version"] for r in rows} >= set(range(killed_at + 1, MAX_VERSIONS + 1))
     for r in rows:
         assert r["episodes"] >= 4 * 4 and set(r) >= {

@@ -14,6 +14,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
     p.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any)"
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,11 +102,14 @@ def _trainer(args: argparse.Namespace) -> int:
             "anchor_every",
             "resume",
             "takeover",
+            "metrics_port",
         )
     }
     try:
         cfg = load_config(TrainerConfig, args.config, base=preset, **flags)
-        Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        trainer.install_stop()
+        trainer.run()
     except (ValueError, RunConflict) as e:
         raise CliError(str(e)) from None
     return 0
@@ -116,7 +122,10 @@ def _worker(args: argparse.Namespace) -> int:
     from .main import CliError
 
     _logging(args.log_level)
-    flags = {k: getattr(args, k) for k in ("store", "endpoint_url", "id", "device", "max_batches")}
+    flags = {
+        k: getattr(args, k)
+        for k in ("store", "endpoint_url", "id", "device", "max_batches", "metrics_port")
+    }
     try:
         cfg = load_config(WorkerConfig, args.config, **flags)
         return Worker(cfg).run()

@@ -11,7 +11,7 @@
 | rollouts/{v:08d}/{worker}/{seq:06d}.json.zst | worker       |
 | workers/{worker}.json                      | worker         |
 | trainer/...                                | trainer        |
-| metrics/{role}/{id}/{n:08d}.json           | each process   |
+| metrics/{role}-{id}.jsonl                  | each process   |
 """
 
 from __future__ import annotations
@@ -83,7 +83,3 @@ def consumed_key(v: int) -> str:
 
 def checkpoint_dir(v: int) -> str:
     return f"trainer/checkpoints/{v:08d}/"
-
-
-def metrics_key(role: str, ident: str, n: int) -> str:
-    return f"metrics/{role}/{check_worker_id(ident)}/{n:08d}.json"

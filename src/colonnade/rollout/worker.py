@@ -37,9 +37,11 @@ from colonnade.protocol import (
     VersionError,
     encode_batch,
     keys,
+    latest_version,
 )
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
+from colonnade.telemetry import Exporter, Telemetry
 
 from .engine import Engine
 from .episodes import run_episodes
@@ -57,6 +59,7 @@ class WorkerConfig:
     max_batches: int = 0  # 0: until the run is done
     poll_seconds: float = 1.0
     join_timeout: float = 600.0  # how long to wait for run.json
+    metrics_port: int | None = None  # serve Prometheus metrics on this port
     seed: int = 0
 
 
@@ -123,6 +126,9 @@ class Worker:
         self.stop = Stop()
         self.seq = 0
         self.batches = 0
+        exporter = Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
+        self.telemetry = Telemetry(self.store, "worker", self.id, 10.0, exporter)
+        self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0}
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
@@ -148,13 +154,16 @@ class Worker:
         self.model.to(self.device)
         self.engine = Engine(self.model, self.tok, version=self.follower.version)
 
-    def sync(self) -> bool:
-        before = self.follower.version
-        if self.follower.sync():
-            self._load_weights()
-            log.info("now running v%d (was %s)", self.follower.version, before)
-            return True
-        return False
+    def sync(self) -> float | None:
+        """Seconds spent moving to the newest version, or None if already there."""
+        before, read = self.follower.version, self.follower.bytes_read
+        t0 = time.perf_counter()
+        if not self.follower.sync():
+            return None
+        self._load_weights()
+        self.pending["sync_bytes"] += self.follower.bytes_read - read
+        log.info("now running v%d (was %s)", self.follower.version, before)
+        return time.perf_counter() - t0
 
     def make_batch(self) -> RolloutBatch:
         v = self.follower.version
@@ -209,7 +218,7 @@ class Worker:
         return self.store.exists(keys.DONE)
 
     def iteration(self) -> None:
-        self.sync()
+        sync_seconds = self.sync()
         if self.follower.version is None:
             time.sleep(self.cfg.poll_seconds)
             return
@@ -217,15 +226,40 @@ class Worker:
         batch = self.make_batch()
         key = self.upload(batch)
         self.batches += 1
-        log.info(
-            "uploaded %s (%d groups, %.1f s)", key, len(batch.groups), time.perf_counter() - t0
-        )
+        seconds = time.perf_counter() - t0
+        log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
         self.heartbeat()
+        self.record(batch, seconds, sync_seconds)
+
+    def record(self, batch: RolloutBatch, seconds: float, sync_seconds: float | None) -> None:
+        newest = latest_version(self.store)
+        eps = [e for g in batch.groups for e in g.episodes]
+        row = dict(
+            version=batch.version,
+            version_skew=(newest or batch.version) - batch.version,
+            episodes=len(eps),
+            tokens=sum(sum(e.from_model) for e in eps),
+            seconds=round(seconds, 3),
+            reward_mean=batch.stats.get("reward_claimed", 0.0),
+            **self.pending,
+        )
+        if sync_seconds is not None:
+            row["sync_seconds"] = round(sync_seconds, 3)
+        self.telemetry.row(**row)
+        self.pending = dict.fromkeys(self.pending, 0)
 
     def run(self) -> int:
         """Loop until the run is done, a signal, or max_batches; the exit status."""
         self.stop.install()
         self.setup()
+        try:
+            self._loop()
+        finally:
+            self.telemetry.flush()
+        log.info("worker %s: %d batches uploaded", self.id, self.batches)
+        return 0
+
+    def _loop(self) -> None:
         attempt = 0
         while not self.stop.requested:
             if self.cfg.max_batches and self.batches >= self.cfg.max_batches:
@@ -241,7 +275,7 @@ class Worker:
                 # does not verify: worth a few retries, not an endless loop.
                 if isinstance(e, NotFound | VersionError) and attempt > 5:
                     raise
+                self.pending["store_errors"] += 1
+                self.pending["store_retries"] += 1
                 _backoff("worker loop", attempt, e)
                 attempt += 1
-        log.info("worker %s: %d batches uploaded", self.id, self.batches)
-        return 0

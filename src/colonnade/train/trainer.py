@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import time
 import uuid
@@ -31,6 +32,7 @@ from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import NotFound, ObjectStore, open_store
+from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .collect import Collector
@@ -74,6 +76,7 @@ class TrainerConfig:
     resume: bool = True  # continue a run found under the prefix
     takeover: bool = False  # ignore a fresh heartbeat of another trainer
     heartbeat_timeout: float = 60.0
+    metrics_port: int | None = None  # serve Prometheus metrics on this port
     seed: int = 0
 
     def sampling(self) -> SamplingParams:
@@ -149,6 +152,9 @@ class Trainer:
         )
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
+        exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
+        self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
+        self.stop_requested = False
 
     # -- start or resume ------------------------------------------------------------
     def open(self) -> None:
@@ -219,35 +225,68 @@ class Trainer:
         }
         self.store.put(keys.HEARTBEAT, dumps(doc))
 
+    def workers_alive(self) -> int:
+        """Workers whose heartbeat is younger than heartbeat_timeout."""
+        now, alive = time.time(), 0
+        for key in self.store.list("workers/"):
+            try:
+                hb = loads(self.store.get(key, max_bytes=MAX_JSON_BYTES))
+            except (NotFound, ValueError):
+                continue
+            alive += now - float(hb.get("time", 0)) < self.cfg.heartbeat_timeout
+        return alive
+
     def step(self) -> dict:
         """Train on one collection and publish the next version; its metrics."""
+        t0 = time.monotonic()
         v = self.publisher.version
+        before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
         got = self.collector.collect(v, self.cfg.groups_per_step)
         metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
         new_v = v + 1
         ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
         self.store.put(ledger, json.dumps(sorted(got.keys)).encode())
         pub = self.publisher.publish(publishable_state(self.model))
+        rejected = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
+        step_seconds = time.monotonic() - t0
         metrics.update(
             version=new_v,
             staleness={str(k): n for k, n in sorted(got.staleness.items())},
             wait_seconds=round(got.wait_seconds, 3),
+            step_seconds=round(step_seconds, 3),
+            wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
             publish_seconds=round(pub.seconds, 3),
             patch_bytes=pub.meta.payload_bytes,
             full_bytes=pub.meta.full_bytes,
             kind=pub.meta.kind,
+            rejected=rejected - before,
+            workers_alive=self.workers_alive(),
+            per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in self.collector.counts.items()},
-            time=time.time(),
         )
-        self.store.put(keys.metrics_key("trainer", "main", new_v), dumps(metrics))
+        self.telemetry.row(**metrics)
         self._heartbeat(new_v)
         if new_v % self.cfg.checkpoint_every == 0:
             save_checkpoint(self.store, new_v, self.model, self.opt, {"instance": self.instance})
         return metrics
 
+    def install_stop(self) -> None:
+        """SIGTERM: finish the version in flight, checkpoint, exit (resumable)."""
+
+        def handler(signum, frame):
+            log.info("stopping after the version in flight (signal %d)", signum)
+            self.stop_requested = True
+
+        signal.signal(signal.SIGTERM, handler)
+
     def run(self) -> None:
         self.open()
         while self.publisher.version < self.cfg.max_versions:
+            if self.stop_requested:
+                v = self.publisher.version
+                save_checkpoint(self.store, v, self.model, self.opt, {"instance": self.instance})
+                log.info("stopped at v%d (checkpointed; the run can resume)", v)
+                return
             m = self.step()
             log.info(
                 "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "

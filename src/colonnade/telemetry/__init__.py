@@ -1,0 +1,11 @@
+"""Telemetry: one metrics API for every role.
+
+`Telemetry.row(...)` records a row of figures. Rows go to the store as
+`metrics/{role}-{id}.jsonl` (the source of `colonnade report`) and, when an
+`Exporter` is attached, to a Prometheus endpoint.
+"""
+
+from .exporter import Exporter
+from .rows import Telemetry, read_rows
+
+__all__ = ["Exporter", "Telemetry", "read_rows"]

@@ -1,0 +1,87 @@
+"""A Prometheus endpoint (`--metrics-port`) fed by the same rows as the store.
+
+Each process has its own registry and HTTP server. Row fields map to
+metrics by name (`FIELDS`); rates such as rollouts/s and tokens/s are left
+to PromQL (`rate(colonnade_rollouts_total[1m])`), as Prometheus intends.
+Every metric carries `role` and `id` labels so one dashboard covers the
+trainer and every worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# row field -> (metric name, kind, help)
+FIELDS: dict[str, tuple[str, str, str]] = {
+    "version": ("colonnade_version", "gauge", "policy version the process holds"),
+    "version_skew": ("colonnade_version_skew", "gauge", "newest version minus the one held"),
+    "reward_mean": ("colonnade_reward_mean", "gauge", "mean reward of the last step or batch"),
+    "pass_rate": ("colonnade_pass_rate", "gauge", "share of episodes with reward 1"),
+    "masked_fraction": ("colonnade_gate_masked_fraction", "gauge", "DPPO-gated token share"),
+    "mismatch_kl": ("colonnade_mismatch_kl", "gauge", "rollout vs trainer policy KL (k1)"),
+    "wait_fraction": ("colonnade_trainer_wait_fraction", "gauge", "share of time waiting"),
+    "workers_alive": ("colonnade_workers_alive", "gauge", "workers with a fresh heartbeat"),
+    "episodes": ("colonnade_rollouts_total", "counter", "episodes generated or consumed"),
+    "tokens": ("colonnade_tokens_total", "counter", "tokens generated or trained on"),
+    "sync_bytes": ("colonnade_sync_bytes_total", "counter", "weight bytes downloaded"),
+    "patch_bytes": ("colonnade_published_bytes_total", "counter", "weight bytes published"),
+    "store_errors": ("colonnade_store_errors_total", "counter", "store calls that failed"),
+    "store_retries": ("colonnade_store_retries_total", "counter", "store calls retried"),
+    "rejected": ("colonnade_rejected_batches_total", "counter", "batches or groups rejected"),
+    "sync_seconds": ("colonnade_sync_seconds", "histogram", "time to sync to a new version"),
+}
+STALENESS = "colonnade_rollout_staleness"
+STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Exporter:
+    """Serves /metrics on `port` (0: pick a free one; see `.port`)."""
+
+    def __init__(self, port: int, ident: str, addr: str = "127.0.0.1"):
+        self.registry = CollectorRegistry()
+        self.ident = ident
+        labels = ("role", "id")
+        self.metrics: dict[str, Any] = {}
+        for field, (name, kind, doc) in FIELDS.items():
+            if kind == "gauge":
+                self.metrics[field] = Gauge(name, doc, labels, registry=self.registry)
+            elif kind == "counter":
+                self.metrics[field] = Counter(
+                    name.removesuffix("_total"), doc, labels, registry=self.registry
+                )
+            else:
+                self.metrics[field] = Histogram(
+                    name, doc, labels, buckets=STEP_BUCKETS, registry=self.registry
+                )
+        self.staleness = Histogram(
+            STALENESS,
+            "versions between a consumed rollout and the trainer",
+            labels,
+            buckets=(0, 1, 2, 3, 4, 6, 8),
+            registry=self.registry,
+        )
+        self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = self.server.server_port
+
+    def observe(self, role: str, row: dict) -> None:
+        for field, value in row.items():
+            metric = self.metrics.get(field)
+            if metric is None or not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            m = metric.labels(role, self.ident)
+            kind = FIELDS[field][1]
+            if kind == "gauge":
+                m.set(value)
+            elif kind == "counter":
+                if value > 0:
+                    m.inc(value)
+            else:
+                m.observe(value)
+        for lag, n in (row.get("staleness") or {}).items():
+            for _ in range(int(n)):
+                self.staleness.labels(role, self.ident).observe(int(lag))
+
+    def close(self) -> None:
+        self.server.shutdown()
