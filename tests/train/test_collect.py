@@ -2,7 +2,7 @@
 
 from colonnade.protocol import EpisodeRecord, GroupRecord, RolloutBatch, encode_batch, keys
 from colonnade.store import LocalStore
-from colonnade.train.collect import Collector
+from colonnade.train.collect import Collector, take_order
 from colonnade.train.samples import Rejected, Sample
 
 
@@ -39,3 +39,19 @@ def test_window_consumption_and_stale_counting(tmp_path):
     # A collector that starts from the persisted keys skips them too.
     c2 = Collector(store, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))
     assert c2.collect(3, need=1, timeout=0.2).groups == []
+
+
+def test_take_order_newest_first_workers_in_turn():
+    fresh = {
+        2: [keys.rollout_key(2, "a", 0)],
+        3: [keys.rollout_key(3, w, s) for w, s in [("a", 0), ("a", 1), ("a", 2), ("b", 0)]],
+    }
+    order = [keys.parse_rollout_key(k) for k in take_order(fresh)]
+    assert order == [(3, "a", 0), (3, "b", 0), (3, "a", 1), (3, "a", 2), (2, "a", 0)]
+    assert take_order({}) == [] and take_order({1: []}) == []
+
+
+def test_collector_stops_waiting_when_asked(tmp_path):
+    c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
+    got = c.collect(0, need=1, stop=lambda: True)
+    assert got.groups == [] and got.wait_seconds < 1

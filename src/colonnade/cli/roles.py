@@ -9,7 +9,8 @@ from pathlib import Path
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--store", required=True, help="run prefix: a directory, file:///dir or s3://bucket/prefix"
+        "--store",
+        help="run prefix: a directory, file:///dir or s3://bucket/prefix (or `store` in --config)",
     )
     p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
     p.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
@@ -68,6 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.set_defaults(handler=_worker)
 
 
+def _need_store(cfg) -> None:
+    from .main import CliError
+
+    if not cfg.store:
+        raise CliError("no store given: pass --store or set `store` in the --config file")
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -107,6 +115,7 @@ def _trainer(args: argparse.Namespace) -> int:
     }
     try:
         cfg = load_config(TrainerConfig, args.config, base=preset, **flags)
+        _need_store(cfg)
         trainer = Trainer(cfg)
         trainer.install_stop()
         trainer.run()
@@ -128,6 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
     }
     try:
         cfg = load_config(WorkerConfig, args.config, **flags)
+        _need_store(cfg)
         return Worker(cfg).run()
     except (ValueError, TimeoutError) as e:
         raise CliError(str(e)) from None

@@ -12,6 +12,7 @@
 | workers/{worker}.json                      | worker         |
 | trainer/...                                | trainer        |
 | metrics/{role}-{id}.jsonl                  | each process   |
+| report/launch.json, report/eval-*.json     | colonnade run  |
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
 HEARTBEAT = "trainer/heartbeat.json"
+LAUNCH = "report/launch.json"
+EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 ROLLOUT_EXT = ".json.zst"
 
 _WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -31,6 +31,25 @@ class Collected:
     wait_seconds: float
 
 
+def take_order(fresh: dict[int, list[str]]) -> list[str]:
+    """The order to take batches in: newest version first, workers in turn.
+
+    Newest first keeps staleness low when workers outpace the trainer (the
+    older batches then age out and are counted as dropped); taking workers in
+    turn within a version keeps one fast worker from crowding out the rest.
+    """
+    out: list[str] = []
+    for v in sorted(fresh, reverse=True):
+        by_worker: dict[str, list[str]] = {}
+        for key in sorted(fresh[v]):
+            parsed = keys.parse_rollout_key(key)
+            by_worker.setdefault(parsed[1] if parsed else "", []).append(key)
+        queues = [by_worker[w] for w in sorted(by_worker)]
+        for i in range(max(map(len, queues), default=0)):
+            out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
 @dataclass
 class Collector:
     store: ObjectStore
@@ -78,19 +97,26 @@ class Collector:
         stats["groups"] += len(groups)
         return groups
 
-    def collect(self, v: int, need: int, timeout: float | None = None) -> Collected:
-        """At least `need` groups made with versions v − max_lag … v (or fewer on timeout)."""
+    def collect(
+        self,
+        v: int,
+        need: int,
+        timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> Collected:
+        """At least `need` groups made with versions v − max_lag … v.
+
+        Fewer on timeout, or when `stop()` turns true while waiting.
+        """
         t0, last_report = time.monotonic(), time.monotonic()
         out = Collected([], [], Counter(), 0.0)
         while len(out.groups) < need:
             self._sweep(v)
-            fresh = [
-                k
+            fresh = {
+                u: [k for k in self.store.list(keys.rollouts_dir(u)) if k not in self.consumed]
                 for u in range(max(0, v - self.max_lag), v + 1)
-                for k in self.store.list(keys.rollouts_dir(u))
-                if k not in self.consumed
-            ]
-            for key in fresh:
+            }
+            for key in take_order(fresh):
                 groups = self._take(key, v)
                 self.consumed.add(key)
                 out.keys.append(key)
@@ -102,6 +128,8 @@ class Collector:
             if len(out.groups) >= need:
                 break
             waited = time.monotonic() - t0
+            if stop is not None and stop():
+                break
             if timeout is not None and waited > timeout:
                 log.warning("gave up waiting for rollouts after %.0f s", waited)
                 break

@@ -236,12 +236,18 @@ class Trainer:
             alive += now - float(hb.get("time", 0)) < self.cfg.heartbeat_timeout
         return alive
 
-    def step(self) -> dict:
-        """Train on one collection and publish the next version; its metrics."""
+    def step(self) -> dict | None:
+        """Train on one collection and publish the next version; its metrics.
+
+        None when a stop was requested while waiting for rollouts: nothing is
+        trained or recorded as consumed, so a resumed run uses those batches.
+        """
         t0 = time.monotonic()
         v = self.publisher.version
         before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
-        got = self.collector.collect(v, self.cfg.groups_per_step)
+        got = self.collector.collect(v, self.cfg.groups_per_step, stop=lambda: self.stop_requested)
+        if len(got.groups) < self.cfg.groups_per_step:
+            return None
         metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
         new_v = v + 1
         ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
@@ -288,6 +294,8 @@ class Trainer:
                 log.info("stopped at v%d (checkpointed; the run can resume)", v)
                 return
             m = self.step()
+            if m is None:
+                continue
             log.info(
                 "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
                 "wait %.1fs patch %d B (%.2f%% of full)",

@@ -1,0 +1,152 @@
+"""The run's typed config: run-level settings plus [trainer] and [worker] tables.
+
+    colonnade run --preset smoke --config run.toml --workers 3
+
+Precedence: run preset < TOML file < flags. The [trainer] table overrides
+the trainer preset the run preset names, key by key; [worker] likewise for
+the worker defaults. Every table is checked against its dataclass, so an
+unknown key anywhere is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from colonnade.config import load_config
+from colonnade.rollout.worker import WorkerConfig
+from colonnade.train.presets import PRESETS as TRAINER_PRESETS
+from colonnade.train.trainer import TrainerConfig
+
+
+@dataclass
+class RunConfig:
+    preset: str = "demo"
+    env: str = "searchqa"
+    model: str = "tiny"
+    out: str = ""  # run directory; default runs/<timestamp>
+    store: str = ""  # default <out>/store; s3://bucket/prefix to use S3
+    endpoint_url: str | None = None
+    workers: int = 2
+    threads: int = 1  # torch threads per process (2 cores: 1 each)
+    warmstart: bool = True
+    warmstart_steps: int | None = None  # None: the model's default
+    good_fraction: float = 0.35
+    eval_n: int = 200  # held-out tasks before and after
+    eval_batch: int = 50
+    eval_temperature: float = 1.0
+    metrics_port: int | None = None  # trainer's; worker i gets port + 1 + i
+    live: bool = True  # the rich live view (off: one log line per version)
+    trainer: dict = field(default_factory=dict)  # TrainerConfig overrides
+    worker: dict = field(default_factory=dict)  # WorkerConfig overrides
+
+
+RUN_PRESETS: dict[str, dict[str, Any]] = {
+    # Under 3 minutes on 2 cores: the smoke env, a short warm start.
+    "smoke": {
+        "env": "smoke",
+        "model": "tiny",
+        "warmstart_steps": 60,
+        "good_fraction": 0.2,
+        "eval_n": 100,
+        "trainer": {"preset": "smoke", "max_versions": 20, "lr": 1e-3, "max_lag": 2},
+    },
+    # The project's learning goal: searchqa on the tiny model.
+    "demo": {
+        "env": "searchqa",
+        "model": "tiny",
+        "eval_n": 200,
+        "trainer": {
+            "preset": "searchqa",
+            "max_versions": 60,
+            "lr": 3e-4,
+            "group_size": 8,
+            "groups_per_step": 4,
+        },
+    },
+}
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_run_config(
+    preset: str | None = None, path: Path | None = None, **flags: Any
+) -> RunConfig:
+    """The effective RunConfig: preset < file < flags (None flags are ignored)."""
+    file: dict = {}
+    if path is not None:
+        try:
+            file = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config {path}: {e}") from None
+    name = preset or file.get("preset") or RunConfig.preset
+    if name not in RUN_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
+    values = _merge({**RUN_PRESETS[name], "preset": name}, file)
+    values = _merge(values, {k: v for k, v in flags.items() if v is not None})
+    cfg = load_config(RunConfig, base=values)
+    role_configs(cfg)  # fail now, not in a child process, on a bad table
+    if cfg.workers < 0 or cfg.threads < 1 or cfg.eval_n < 0 or cfg.eval_batch < 1:
+        raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
+    return cfg
+
+
+def role_configs(cfg: RunConfig, model_path: str | None = None):
+    """(TrainerConfig, WorkerConfig) the run's processes will use."""
+    table = dict(cfg.trainer)
+    preset = table.pop("preset", None)
+    base = dict(TRAINER_PRESETS.get(preset, {})) if preset else {}
+    if preset and preset not in TRAINER_PRESETS:
+        raise ValueError(f"[trainer] preset {preset!r} is not one of {', '.join(TRAINER_PRESETS)}")
+    store = cfg.store or str(Path(cfg.out or ".") / "store")
+    base.update(env=cfg.env, model=model_path or cfg.model)
+    trainer = load_config(
+        TrainerConfig,
+        base={**base, **table},
+        store=store,
+        endpoint_url=cfg.endpoint_url,
+        metrics_port=cfg.metrics_port,
+    )
+    worker = load_config(
+        WorkerConfig, base=dict(cfg.worker), store=store, endpoint_url=cfg.endpoint_url
+    )
+    return trainer, worker
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def to_toml(tables: dict[str, dict]) -> str:
+    """TOML text: the "" table's keys first, then one [name] table each; None is left out."""
+    lines = []
+    for name, values in tables.items():
+        if name:
+            lines.append(f"\n[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def effective_tables(cfg: RunConfig) -> dict[str, dict]:
+    """What `colonnade config show` prints: every role's settings in full."""
+    trainer, worker = role_configs(cfg)
+    run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("trainer", "worker")}
+    return {"": run, "trainer": dataclasses.asdict(trainer), "worker": dataclasses.asdict(worker)}

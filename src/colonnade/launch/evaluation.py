@@ -1,0 +1,65 @@
+"""Held-out evaluation inside a run: of a model directory, or of a published version.
+
+"After" evaluates the newest published version through the same path a
+worker runs it (int8 codes from the store, verified by hash), so the figure
+is that of the policy the fleet runs, not of the trainer's float weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from colonnade.envs import Environment
+from colonnade.model import load_dequantized, load_int8, tied_aliases
+from colonnade.protocol import Follower, RunSpec, keys
+from colonnade.protocol.schemas import MAX_JSON_BYTES
+from colonnade.rollout import SamplingParams, load_engine
+from colonnade.rollout.engine import Engine
+from colonnade.rollout.evaluate import evaluate
+from colonnade.rollout.worker import fetch_model
+from colonnade.store import ObjectStore
+
+
+def _version_model(store: ObjectStore, version: int, int8: bool):
+    spec = RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
+    model, tok = fetch_model(store, spec)
+    follower = Follower(store, spec.anchor_every)
+    follower.sync(version)
+    aliases = tied_aliases(model)
+    if int8 and spec.precision == "int8":
+        load_int8(model, follower.state, aliases)
+    else:
+        load_dequantized(model, follower.state, aliases)
+    return model, tok
+
+
+def version_engine(store: ObjectStore, version: int) -> Engine:
+    model, tok = _version_model(store, version, int8=True)
+    return Engine(model, tok, version=version)
+
+
+def export_version(store: ObjectStore, version: int, out: Path) -> Path:
+    """A normal model directory (float weights, config, tokenizer) of a published version."""
+    model, tok = _version_model(store, version, int8=False)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def run_eval(
+    engine: Engine,
+    env: Environment,
+    n: int,
+    params: SamplingParams,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    tasks = list(env.tasks("test"))[:n]
+    figures = evaluate(engine, env, tasks, params, batch_size, seed=0, progress=progress)
+    figures["temperature"] = params.temperature
+    return figures
+
+
+def model_engine(path: str) -> Engine:
+    return load_engine(path, "int8", "cpu")

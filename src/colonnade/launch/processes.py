@@ -1,0 +1,74 @@
+"""The run's child processes: one trainer and N workers, each its own session.
+
+Children get their own process group so a Ctrl-C in the terminal reaches
+only the launcher, which then stops them in order: workers finish the batch
+in flight, the trainer finishes its version and checkpoints. Anything still
+alive after the grace period is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def spawn(name: str, args: list[str], log_dir: Path, threads: int) -> Child:
+    """`colonnade ARGS` as a child process, its output in log_dir/name.log."""
+    log = log_dir / f"{name}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "colonnade.cli.main", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return Child(name, proc, log)
+
+
+def stop_all(children: list[Child], grace: float = 30.0) -> None:
+    """SIGTERM every live child, wait up to `grace` s in all, then SIGKILL."""
+    for c in children:
+        if c.alive:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def wait_exit(children: list[Child], timeout: float) -> bool:
+    """True when every child exited within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while any(c.alive for c in children):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -1,0 +1,229 @@
+"""The run itself: warm start → eval before → trainer + workers → eval after → report.
+
+Everything a report needs is written to the store (`report/…`) as it
+happens, so an interrupted run still reports what it did, and `colonnade
+report` can rebuild the report later from the store alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+from colonnade.envs import load_environment
+from colonnade.protocol import keys, latest_version
+from colonnade.rollout import SamplingParams
+from colonnade.store import ObjectStore, open_store
+from colonnade.train.warmstart import WarmstartConfig, warmstart
+
+from . import evaluation
+from .config import RunConfig, effective_tables, role_configs, to_toml
+from .live import log_line, render, snapshot
+from .processes import Child, spawn, stop_all, wait_exit
+
+log = logging.getLogger("colonnade.run")
+
+
+class RunFailed(RuntimeError):
+    """A child process failed; the report says what was done before."""
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        "{task.fields[info]}",
+        console=console,
+        transient=True,
+    )
+
+
+def prepare(cfg: RunConfig) -> RunConfig:
+    """Fix the run directory (runs/<timestamp> unless given)."""
+    out = cfg.out or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return dataclasses.replace(cfg, out=out)
+
+
+def _warm(cfg: RunConfig, console: Console) -> str:
+    if not cfg.warmstart:
+        return cfg.model
+    ws = WarmstartConfig(
+        model=cfg.model, env=cfg.env, good_fraction=cfg.good_fraction, steps=cfg.warmstart_steps
+    )
+    steps = ws.resolved().steps
+    with _bar(console) as bar:
+        task = bar.add_task("warm start", total=steps, info="")
+        path, built = warmstart(
+            ws, progress=lambda s, n, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}")
+        )
+    console.print(f"warm start: {'built' if built else 'reused'} {path}")
+    return str(path)
+
+
+def _eval(cfg, store: ObjectStore, which: str, engine, console: Console) -> dict:
+    trainer, _ = role_configs(cfg)
+    env = load_environment(cfg.env, **trainer.env_kwargs)
+    params = SamplingParams(
+        temperature=cfg.eval_temperature,
+        max_turn_tokens=trainer.max_turn_tokens,
+        max_episode_tokens=trainer.max_episode_tokens,
+    )
+    n = min(cfg.eval_n, len(env.tasks("test")))
+    with _bar(console) as bar:
+        task = bar.add_task(f"eval {which}", total=n, info="")
+        figures = evaluation.run_eval(
+            engine, env, n, params, cfg.eval_batch, lambda k, _t: bar.update(task, completed=k)
+        )
+    figures["version"] = engine.version
+    store.put(keys.EVAL[which], json.dumps(figures).encode())
+    console.print(
+        f"eval {which} (v{engine.version}, n={figures['n']}): pass@1 "
+        f"{figures.get('pass_at_1', 0):.3f}, search rate {figures.get('search_rate', 0):.3f}"
+    )
+    return figures
+
+
+def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> list[Child]:
+    out = Path(cfg.out)
+    trainer, worker = role_configs(cfg, model_path)
+    (out / "trainer.toml").write_text(to_toml({"": dataclasses.asdict(trainer)}))
+    (out / "worker.toml").write_text(to_toml({"": dataclasses.asdict(worker)}))
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    children = [
+        spawn("trainer", ["trainer", "--config", str(out / "trainer.toml")], logs, cfg.threads)
+    ]
+    deadline = time.monotonic() + 300
+    while not store.exists(keys.RUN):
+        if not children[0].alive:
+            raise RunFailed(f"the trainer exited early:\n{children[0].tail()}")
+        if time.monotonic() > deadline:
+            raise RunFailed("the trainer wrote no run.json in 300 s")
+        time.sleep(0.3)
+    for i in range(cfg.workers):
+        args = ["worker", "--config", str(out / "worker.toml"), "--id", f"w{i + 1}"]
+        if cfg.metrics_port is not None:
+            args += ["--metrics-port", str(cfg.metrics_port + 1 + i)]
+        children.append(spawn(f"worker-{i + 1}", args, logs, cfg.threads))
+    return children
+
+
+def _watch(cfg: RunConfig, store: ObjectStore, children: list[Child], console: Console) -> None:
+    """Until the trainer exits; raises RunFailed if it fails."""
+    trainer, _ = role_configs(cfg)
+    reported_dead: set[str] = set()
+    last_v = -1
+
+    def tick() -> None:
+        nonlocal last_v
+        snap = snapshot(store, trainer.max_versions)
+        for c in children[1:]:
+            if not c.alive and c.name not in reported_dead:
+                reported_dead.add(c.name)
+                console.print(f"[yellow]{c.name} exited ({c.proc.returncode}); see {c.log}")
+        if live is not None:
+            live.update(render(snap, "training"))
+        elif snap.version != last_v:
+            console.print(log_line(snap))
+        last_v = snap.version
+
+    live = Live(console=console, refresh_per_second=2) if cfg.live else None
+    if live is not None:
+        live.start()
+    try:
+        while children[0].alive:
+            tick()
+            time.sleep(1.0)
+        tick()
+    finally:
+        if live is not None:
+            live.stop()
+    if children[0].proc.returncode != 0:
+        raise RunFailed(
+            f"the trainer exited with {children[0].proc.returncode}:\n{children[0].tail()}"
+        )
+
+
+def launch(cfg: RunConfig, console: Console | None = None) -> dict:
+    """Run everything; the report dict (also written as report.json / report.html)."""
+    from colonnade.report import build_report, render_html
+
+    console = console or Console(stderr=True)
+    _quiet_transformers()
+    cfg = prepare(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.toml").write_text(to_toml(effective_tables(cfg)))
+    trainer_cfg, _ = role_configs(cfg)
+    store = open_store(trainer_cfg.store, endpoint_url=cfg.endpoint_url)
+    if store.exists(keys.RUN):
+        raise ValueError(f"{store.url} already holds a run; choose another --out or --store")
+    started = time.time()
+    facts = {
+        "preset": cfg.preset,
+        "model": cfg.model,
+        "env": cfg.env,
+        "workers": cfg.workers,
+        "started": started,
+        "status": "running",
+        "out": str(out),
+    }
+    children: list[Child] = []
+    try:
+        model_path = _warm(cfg, console)
+        if cfg.eval_n:
+            _eval(cfg, store, "before", evaluation.model_engine(model_path), console)
+        children = _launch_children(cfg, model_path, store)
+        _write_launch(store, facts, started)
+        _watch(cfg, store, children, console)
+        wait_exit(children[1:], 60)
+        stop_all(children)
+        facts["status"] = "finished"
+        _after(cfg, store, console)
+    except KeyboardInterrupt:
+        facts["status"] = "interrupted"
+        console.print("[yellow]interrupted: stopping the trainer and workers")
+    except RunFailed as e:
+        facts["status"] = "failed"
+        console.print(f"[red]{e}")
+    finally:
+        stop_all(children)
+        _write_launch(store, facts, started)
+    report = build_report(store)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.html").write_text(render_html(report))
+    console.print(f"report: {out / 'report.json'}, {out / 'report.html'}")
+    return report
+
+
+def _after(cfg: RunConfig, store: ObjectStore, console: Console) -> None:
+    final = latest_version(store)
+    if final is None:
+        return
+    evaluation.export_version(store, final, Path(cfg.out) / "final-model")
+    console.print(f"final model (v{final}): {Path(cfg.out) / 'final-model'}")
+    if cfg.eval_n:
+        _eval(cfg, store, "after", evaluation.version_engine(store, final), console)
+
+
+def _quiet_transformers() -> None:
+    """Its per-call progress bars would tear through the live view."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _write_launch(store: ObjectStore, facts: dict, started: float) -> None:
+    facts["wall_s"] = round(time.time() - started, 1)
+    store.put(keys.LAUNCH, json.dumps(facts).encode())
