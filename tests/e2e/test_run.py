@@ -1,0 +1,101 @@
+"""`colonnade run` end to end: the report it writes, `colonnade report`, Ctrl-C.
+
+Both runs use the smoke preset shortened by a run.toml (a short warm start
+and a few versions) so the file stays within a minute or two on 2 cores.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPORT_KEYS = {
+    "env", "model", "workers", "eval", "versions_published", "rollouts_consumed",
+    "rollouts_dropped_stale", "rollouts_rejected", "gate", "sync", "wall_s",
+    "trainer_wait_fraction",
+}  # fmt: skip
+
+
+def _env(tmp_path):
+    return {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _config(tmp_path, versions):
+    f = tmp_path / "run.toml"
+    f.write_text(
+        f"warmstart_steps = 20\neval_n = 16\n[trainer]\nmax_versions = {versions}\n"
+        "checkpoint_every = 100\n"
+    )
+    return f
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "colonnade.cli.main", *args]
+
+
+@pytest.mark.timeout(400)
+def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
+    out = tmp_path / "run"
+    cfg = _config(tmp_path, 4)
+    cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
+    p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=380)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "after: pass@1" in p.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= REPORT_KEYS
+    assert report["status"] == "finished" and report["versions_published"] == 4
+    for which in ("before", "after"):
+        ev = report["eval"][which]
+        assert ev["n"] == 16 and 0 <= ev["pass_at_1"] <= 1
+    assert report["eval"]["before"]["version"] == 0 and report["eval"]["after"]["version"] == 4
+    assert set(report["workers"]) == {"w1", "w2"}
+    assert report["rollouts_consumed"] >= 4 * 2  # 4 groups a step, 2 a batch
+    assert report["sync"]["full_bytes"] > 100 * report["sync"]["patch_bytes_median"] > 0
+    assert 0 <= report["trainer_wait_fraction"] <= 1
+    assert len(report["series"]["version"]) == 4
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 5
+    assert (out / "final-model" / "config.json").is_file()
+    assert (out / "logs" / "trainer.log").is_file() and (out / "trainer.toml").is_file()
+
+    # The report is rebuilt from the store alone, elsewhere.
+    again = tmp_path / "again"
+    p = subprocess.run(
+        _cli("report", str(out / "store"), "--out", str(again)),
+        env=_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    rebuilt = json.loads((again / "report.json").read_text())
+    assert rebuilt == report
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_every_child_and_still_reports(tmp_path):
+    out = tmp_path / "run"
+    cfg = _config(tmp_path, 200)
+    cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
+    launcher = subprocess.Popen(
+        cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    rows = out / "store" / "metrics" / "trainer-main.jsonl"
+    t0 = time.monotonic()
+    while not (rows.is_file() and len(rows.read_text().splitlines()) >= 2):
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() - t0 < 300, "no versions within 300 s"
+        time.sleep(0.3)
+    launcher.send_signal(signal.SIGINT)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert "interrupted" in stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "interrupted" and 2 <= report["versions_published"] < 200
+    # No child is left: every pid the logs name is gone.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out / "trainer.toml") not in ps and str(out / "worker.toml") not in ps
+    # The trainer stopped cleanly: a checkpoint at the version it reached.
+    ckpts = sorted((out / "store" / "trainer" / "checkpoints").iterdir())
+    assert int(ckpts[-1].name) == report["versions_published"]

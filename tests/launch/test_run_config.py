@@ -1,0 +1,46 @@
+"""The run config: preset < file < flags, role tables checked, TOML written back."""
+
+import tomllib
+
+import pytest
+
+from colonnade.launch.config import effective_tables, resolve_run_config, role_configs, to_toml
+
+
+def test_precedence_and_table_merge(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('workers = 3\neval_n = 7\n[trainer]\nlr = 0.5\n[worker]\ndevice = "cpu"\n')
+    cfg = resolve_run_config("smoke", f, eval_n=9, trainer={"max_versions": 4}, out=str(tmp_path))
+    assert (cfg.workers, cfg.eval_n, cfg.env) == (3, 9, "smoke")
+    trainer, worker = role_configs(cfg, "/some/model")
+    # The file's [trainer] key and the flag both land on top of the presets.
+    assert (trainer.lr, trainer.max_versions, trainer.group_size) == (0.5, 4, 4)
+    assert trainer.model == "/some/model" and trainer.store == str(tmp_path / "store")
+    assert worker.store == trainer.store
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("wokers = 3\n", "unknown RunConfig setting"),
+        ("[trainer]\nlearning_rate = 1\n", "unknown TrainerConfig setting"),
+        ("[worker]\ngpu = true\n", "unknown WorkerConfig setting"),
+        ("workers = 'two'\n", "workers: expected"),
+        ("preset = 'huge'\n", "unknown preset"),
+        ("[trainer]\npreset = 'nope'\n", "preset 'nope'"),
+        ("workers = [\n", "config"),
+    ],
+)
+def test_bad_configs_fail_naming_the_key(tmp_path, text, match):
+    f = tmp_path / "run.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        resolve_run_config(None, f)
+
+
+def test_effective_config_round_trips_through_toml():
+    tables = effective_tables(resolve_run_config("demo"))
+    parsed = tomllib.loads(to_toml(tables))
+    assert parsed["env"] == "searchqa" and parsed["trainer"]["env"] == "searchqa"
+    assert parsed["trainer"]["max_versions"] == tables["trainer"]["max_versions"]
+    assert "endpoint_url" not in parsed  # None is left out, not written as a string
