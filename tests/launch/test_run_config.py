@@ -14,7 +14,7 @@ def test_precedence_and_table_merge(tmp_path):
     assert (cfg.workers, cfg.eval_n, cfg.env) == (3, 9, "smoke")
     trainer, worker = role_configs(cfg, "/some/model")
     # The file's [trainer] key and the flag both land on top of the presets.
-    assert (trainer.lr, trainer.max_versions, trainer.group_size) == (0.5, 4, 4)
+    assert (trainer.lr, trainer.max_versions, trainer.group_size) == (0.5, 4, 8)
     assert trainer.model == "/some/model" and trainer.store == str(tmp_path / "store")
     assert worker.store == trainer.store
 

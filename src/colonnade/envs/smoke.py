@@ -14,6 +14,7 @@ from .answers import exact_match, last_tag
 from .base import Score, Task, check_split
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
+UNSURE = "unsure"
 SYSTEM = "Reply with the requested word inside <answer></answer>."
 
 
@@ -57,12 +58,17 @@ class Smoke:
         return Score(float(correct), metrics)
 
     def demonstration(self, task: Task, good: bool, rng: random.Random) -> list[str]:
-        word = task.answers[0] if good else rng.choice([c for c in COLOURS if c != task.answers[0]])
-        return [f"<answer>{word}</answer>"]
+        # The poor demo declines rather than naming a wrong colour: wrong
+        # colours on the same prompts contradict the copy rule, and a 2M model
+        # then learns only the colours' marginal (pass@1 stays at 1/8 even
+        # with 80% good demos), leaving RL nothing to amplify.
+        # The leading space makes the answer the very token of the prompt's
+        # word (" red"), so the skill is a plain copy.
+        return [f"<answer> {task.answers[0] if good else UNSURE}</answer>"]
 
     def tokenizer_texts(self) -> list[str]:
         lines = [SYSTEM, *(t.question for t in self._by_id.values())]
-        return lines + [f"<answer>{w}</answer>" for w in COLOURS] * 20
+        return lines + [f"<answer> {w}</answer>" for w in (*COLOURS, UNSURE)] * 20
 
 
 def load_environment(n_tasks: int = 500, seed: int = 0) -> Smoke:

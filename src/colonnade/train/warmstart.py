@@ -30,7 +30,7 @@ from .sft import demonstrations, train_sft
 # Per-model defaults: a from-scratch 2M model wants a large step; a
 # pretrained 135M one a small step and few of them.
 MODEL_DEFAULTS = {
-    "tiny": {"lr": 3e-3, "steps": 800, "batch_size": 8},
+    "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8},
     "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4},
 }
 
@@ -41,12 +41,19 @@ class WarmstartConfig:
     env: str = "searchqa"
     env_kwargs: dict = field(default_factory=dict)
     good_fraction: float = 0.35
+    # Share of the steps trained on good demos only, before the mixture: a
+    # small model learns the skill (copying from the prompt or the tool
+    # reply) from clean demos far faster than from a mixture, and the
+    # mixture afterwards only sets how often it uses it.
+    skill_fraction: float = 0.5
     steps: int | None = None  # None: the model's default
     batch_size: int | None = None
     lr: float | None = None
     seed: int = 0
 
     def resolved(self) -> WarmstartConfig:
+        if not 0.0 <= self.skill_fraction <= 1.0:
+            raise ValueError("skill_fraction must be within [0, 1]")
         d = MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["smollm2-135m"])
         return dataclasses.replace(
             self,
@@ -88,24 +95,32 @@ def warmstart(
     def build(tmp: Path) -> None:
         torch.manual_seed(cfg.seed)
         model, tok = load_model(base, dtype=torch.float32)
-        examples = demonstrations(tok, env, env.tasks("train"), cfg.good_fraction, cfg.seed)
+        skill = round(cfg.steps * cfg.skill_fraction)
+        stages = [(1.0, skill, 0), (cfg.good_fraction, cfg.steps - skill, skill)]
         t0 = time.perf_counter()
-        losses = train_sft(
-            model,
-            examples,
-            tok.pad_token_id,
-            cfg.steps,
-            cfg.batch_size,
-            cfg.lr,
-            cfg.seed,
-            progress=(lambda s, loss: progress(s, cfg.steps, loss)) if progress else None,
-        )
+        losses: list[float] = []
+        for fraction, steps, done in stages:
+            if steps <= 0:
+                continue
+            examples = demonstrations(tok, env, env.tasks("train"), fraction, cfg.seed + done)
+            losses += train_sft(
+                model,
+                examples,
+                tok.pad_token_id,
+                steps,
+                cfg.batch_size,
+                cfg.lr,
+                cfg.seed + done,
+                progress=(lambda s, loss, d=done: progress(d + s, cfg.steps, loss))
+                if progress
+                else None,
+            )
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         summary = {
             "losses_first_last": [losses[0], losses[-1]],
             "seconds": round(time.perf_counter() - t0, 1),
-            "examples": len(examples),
+            "examples": len(env.tasks("train")),
         }
         (tmp / "warmstart.json").write_text(
             json.dumps({"config": dataclasses.asdict(cfg), "base": base, **summary}, indent=1)
