@@ -29,3 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     bench_rollout.add_arguments(br)
     br.set_defaults(handler=bench_rollout.run)
+    from colonnade.bench import e2e as bench_e2e
+
+    be = bsub.add_parser(
+        "e2e",
+        help="async (max_lag 2) against sync (max_lag 0) training, 1 and 2 workers",
+        description="Full smoke runs side by side: wall time to a fixed training pass "
+        "rate with max_lag 2 against max_lag 0, the trainer's wait fraction, and "
+        "episodes/s with 1 and 2 workers.",
+    )
+    bench_e2e.add_arguments(be)
+    be.set_defaults(handler=bench_e2e.run)

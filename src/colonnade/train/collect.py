@@ -110,6 +110,7 @@ class Collector:
         """
         t0, last_report = time.monotonic(), time.monotonic()
         out = Collected([], [], Counter(), 0.0)
+        polls = 0
         while len(out.groups) < need:
             self._sweep(v)
             fresh = {
@@ -142,6 +143,9 @@ class Collector:
                     waited,
                 )
                 last_report = time.monotonic()
-            time.sleep(self.poll_seconds)
+            # Short polls first: a batch is usually seconds away, and a fixed
+            # 1 s poll cost the smoke preset a third of the trainer's time.
+            time.sleep(min(self.poll_seconds, 0.05 * 2**polls))
+            polls += 1
         out.wait_seconds = time.monotonic() - t0
         return out

@@ -1,0 +1,134 @@
+"""End-to-end: asynchronous against synchronous training, and 1 against 2 workers.
+
+Side by side in one run, each case a full `colonnade run --preset smoke`
+(held-out eval off; the warm start is cached and shared):
+
+- async, 2 workers: max_lag 2 (the default);
+- sync, 2 workers: max_lag 0, every step waits for rollouts of its version;
+- async, 1 worker.
+
+Per case: wall time from the trainer's start until the training pass rate
+(mean of 3 consecutive versions) first reaches `--target`, the trainer's
+wait fraction, and episodes/s generated and consumed. The ratio of sync to
+async time-to-target is the speed-up asynchrony buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = (("async, 2 workers", 2, 2), ("sync, 2 workers", 0, 2), ("async, 1 worker", 2, 1))
+TARGETS = {"speedup": 1.5, "wait_fraction": 0.20}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=float, default=0.8, help="training pass rate to reach")
+    p.add_argument("--max-versions", type=int, default=40, help="versions per case")
+    p.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--quick", action="store_true", help="4 versions per case (a smoke test)")
+    p.add_argument("--json", action="store_true", help="print result rows as JSON on stdout")
+
+
+def log(msg: str) -> None:
+    print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def time_to_target(rows: list[dict], target: float, window: int = 3) -> float | None:
+    """Seconds from the trainer's start until `window` versions average `target` pass rate."""
+    if not rows:
+        return None
+    t0 = rows[0]["time"] - rows[0].get("step_seconds", 0.0)
+    for i in range(window - 1, len(rows)):
+        recent = [r["pass_rate"] for r in rows[i - window + 1 : i + 1]]
+        if sum(recent) / window >= target:
+            return rows[i]["time"] - t0
+    return None
+
+
+def summarize(trainer: list[dict], workers: dict[str, list[dict]], target: float) -> dict:
+    """The figures of one case from its metric rows."""
+    t0 = trainer[0]["time"] - trainer[0].get("step_seconds", 0.0)
+    span = max(1e-9, trainer[-1]["time"] - t0)
+    generated = sum(r.get("episodes", 0) for rows in workers.values() for r in rows)
+    step = sum(r.get("step_seconds", 0.0) for r in trainer)
+    return {
+        "time_to_target_s": time_to_target(trainer, target),
+        "train_seconds": round(span, 2),
+        "versions": len(trainer),
+        "wait_fraction": round(sum(r.get("wait_seconds", 0.0) for r in trainer) / step, 4),
+        "episodes_generated_per_s": round(generated / span, 2),
+        "episodes_trained_per_s": round(sum(r["episodes"] for r in trainer) / span, 2),
+        "final_pass_rate": round(sum(r["pass_rate"] for r in trainer[-3:]) / 3, 3),
+    }
+
+
+def run_case(out: Path, lag: int, workers: int, versions: int, target: float) -> dict:
+    from colonnade.launch import resolve_run_config
+    from colonnade.launch.run import launch
+    from colonnade.store import LocalStore
+    from colonnade.telemetry import read_rows
+
+    cfg = resolve_run_config(
+        "smoke", out=str(out), workers=workers, eval_n=0, live=False,
+        trainer={"max_lag": lag, "max_versions": versions},
+    )  # fmt: skip
+    report = launch(cfg)
+    if report["status"] != "finished":
+        raise SystemExit(f"error: the run in {out} ended {report['status']}")
+    store = LocalStore(out / "store")
+    rows = read_rows(store, "trainer")["trainer-main"]
+    return summarize(rows, read_rows(store, "worker"), target)
+
+
+def _table(rows: list[dict], target: float) -> str:
+    sync = next(r for r in rows if r["max_lag"] == 0)
+    lines = [
+        f"time to training pass rate {target} (mean of 3 versions), smoke preset, "
+        "1 thread per process",
+        f"{'case':18}{'to target s':>12}{'vs sync':>9}{'wait':>7}{'gen ep/s':>10}"
+        f"{'train ep/s':>11}{'final pass':>11}",
+    ]
+    for r in rows:
+        t, s = r["time_to_target_s"], sync["time_to_target_s"]
+        ratio = f"{s / t:.2f}x" if t and s else "-"
+        lines.append(
+            f"{r['case']:18}{(f'{t:.1f}' if t else 'not hit'):>12}{ratio:>9}"
+            f"{100 * r['wait_fraction']:>6.0f}%{r['episodes_generated_per_s']:>10.1f}"
+            f"{r['episodes_trained_per_s']:>11.1f}{r['final_pass_rate']:>11.3f}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    versions = 4 if args.quick else args.max_versions
+    if versions < 3 or not 0 < args.target <= 1:
+        raise SystemExit("error: --max-versions must be >= 3 and --target within (0, 1]")
+    root = args.out or Path(tempfile.mkdtemp(prefix="colonnade-bench-e2e-"))
+    rows = []
+    for name, lag, workers in CASES:
+        log(f"{name}: max_lag {lag}, {versions} versions")
+        out = root / name.replace(", ", "-").replace(" ", "")
+        rows.append({"case": name, "max_lag": lag, "workers": workers,
+                     **run_case(out, lag, workers, versions, args.target)})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(_table(rows, args.target))
+        a, s = rows[0]["time_to_target_s"], rows[1]["time_to_target_s"]
+        speed = f"{s / a:.2f}x" if a and s else "n/a (a case missed the target)"
+        print(
+            f"async speed-up over sync: {speed} (target >= {TARGETS['speedup']}x); "
+            f"trainer waiting with 2 workers: {100 * rows[0]['wait_fraction']:.0f}% "
+            f"(target <= {100 * TARGETS['wait_fraction']:.0f}%)"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/e2e.py", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
