@@ -33,7 +33,7 @@ def test_quick_run_reports_every_case(tmp_path, monkeypatch, capsys):
     (tmp_path / "cache").mkdir()
     assert main(["--quick", "--json", "--out", str(tmp_path / "runs"), "--target", "0.01"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["max_lag"], r["workers"]) for r in rows] == [(2, 2), (0, 2), (2, 1)]
+    assert [(r["max_lag"], r["workers"]) for r in rows] == [(2, 2), (0, 2), (2, 1), (0, 1)]
     for r in rows:
         assert r["versions"] == 4 and r["episodes_generated_per_s"] > 0
         assert 0 <= r["wait_fraction"] <= 1

@@ -113,13 +113,18 @@ def _trainer(args: argparse.Namespace) -> int:
             "metrics_port",
         )
     }
+    # Bad settings (unknown env or model, wrong types) are the user's and
+    # get one line; an error once training runs keeps its traceback.
     try:
         cfg = load_config(TrainerConfig, args.config, base=preset, **flags)
         _need_store(cfg)
         trainer = Trainer(cfg)
-        trainer.install_stop()
+    except (ValueError, FileNotFoundError) as e:
+        raise CliError(str(e)) from None
+    trainer.install_stop()
+    try:
         trainer.run()
-    except (ValueError, RunConflict) as e:
+    except RunConflict as e:
         raise CliError(str(e)) from None
     return 0
 
@@ -138,6 +143,10 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(WorkerConfig, args.config, **flags)
         _need_store(cfg)
-        return Worker(cfg).run()
-    except (ValueError, TimeoutError) as e:
+        worker = Worker(cfg)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    try:
+        return worker.run()
+    except TimeoutError as e:  # no run.json within join_timeout
         raise CliError(str(e)) from None
