@@ -60,6 +60,11 @@ def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 5
     assert (out / "final-model" / "config.json").is_file()
+    # Batches were signed with per-worker keys and none was rejected.
+    assert report["signed"] is True and report["rejected_by_reason"] == {}
+    assert (out / "keys" / "w1.key").is_file() and (
+        out / "store" / "trainer" / "keys.json"
+    ).is_file()
     assert (out / "logs" / "trainer.log").is_file() and (out / "trainer.toml").is_file()
 
     # The report is rebuilt from the store alone, elsewhere.

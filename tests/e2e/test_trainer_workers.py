@@ -102,7 +102,7 @@ def test_run_survives_a_trainer_kill(tmp_path):
     seen: dict[str, str] = {}
     for ledger in store.list("trainer/consumed/"):
         trained = int(ledger.split("/")[-1].split("-")[0])
-        for key in json.loads(store.get(ledger)):
+        for key in json.loads(store.get(ledger))["keys"]:
             assert key not in seen, f"{key} consumed by {seen[key]} and {ledger}"
             seen[key] = ledger
             version = keys.parse_rollout_key(key)[0]

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.register(sub)
     roles.register(sub)
+    roles.register_keys(sub)
     evaluate.register(sub)
     pulse.register(sub)
     bench.register(sub)

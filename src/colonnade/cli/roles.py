@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--checkpoint-every", type=int, help="versions between checkpoints")
     t.add_argument("--anchor-every", type=int, help="versions between full anchors (K)")
     t.add_argument(
+        "--worker-keys",
+        help="registered workers' public keys: a .pub file or a directory of them; "
+        "batches must then be signed (re-read every step)",
+    )
+    t.add_argument(
         "--no-resume",
         dest="resume",
         action="store_false",
@@ -66,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--id", help="worker name (default: host-pid)")
     w.add_argument("--device", help="cpu | cuda | mps | auto (default cpu)")
     w.add_argument("--max-batches", type=int, help="stop after this many uploads")
+    w.add_argument("--key", help="private key file from `colonnade keys new` (signs batches)")
     w.set_defaults(handler=_worker)
 
 
@@ -111,6 +117,7 @@ def _trainer(args: argparse.Namespace) -> int:
             "resume",
             "takeover",
             "metrics_port",
+            "worker_keys",
         )
     }
     # Bad settings (unknown env or model, wrong types) are the user's and
@@ -138,7 +145,7 @@ def _worker(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     flags = {
         k: getattr(args, k)
-        for k in ("store", "endpoint_url", "id", "device", "max_batches", "metrics_port")
+        for k in ("store", "endpoint_url", "id", "device", "max_batches", "metrics_port", "key")
     }
     try:
         cfg = load_config(WorkerConfig, args.config, **flags)
@@ -150,3 +157,32 @@ def _worker(args: argparse.Namespace) -> int:
         return worker.run()
     except TimeoutError as e:  # no run.json within join_timeout
         raise CliError(str(e)) from None
+
+
+def register_keys(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("keys", help="worker signing keys (ed25519)")
+    ksub = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    new = ksub.add_parser(
+        "new",
+        help="make a worker's key pair",
+        description="Write ID.key (private, mode 0600: stays on the worker) and ID.pub "
+        "(give it to the operator, who passes the file or its folder to "
+        "`colonnade trainer --worker-keys`).",
+    )
+    new.add_argument("--id", required=True, help="the worker's name in the run")
+    new.add_argument("--out", type=Path, default=Path("keys"), help="folder (default ./keys)")
+    new.set_defaults(handler=_keys_new)
+
+
+def _keys_new(args: argparse.Namespace) -> int:
+    from colonnade.protocol.signing import new_keypair
+
+    from .main import CliError
+
+    try:
+        private, public = new_keypair(args.id, args.out)
+    except (ValueError, FileExistsError) as e:
+        raise CliError(str(e)) from None
+    print(f"private key: {private} (keep it on the worker: --key {private})")
+    print(f"public key:  {public} (register it: colonnade trainer --worker-keys {public.parent})")
+    return 0

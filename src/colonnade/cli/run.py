@@ -29,6 +29,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         help="train the model as given (no supervised warm start)",
     )
     p.add_argument(
+        "--no-sign",
+        dest="sign",
+        action="store_false",
+        default=None,
+        help="let workers upload unsigned batches (default: a key pair per worker)",
+    )
+    p.add_argument(
         "--no-live",
         dest="live",
         action="store_false",
@@ -89,6 +96,7 @@ def _resolved(args: argparse.Namespace):
             "metrics_port",
             "warmstart",
             "live",
+            "sign",
         )
     }
     try:

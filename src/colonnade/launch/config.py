@@ -40,6 +40,7 @@ class RunConfig:
     eval_temperature: float = 1.0
     metrics_port: int | None = None  # trainer's; worker i gets port + 1 + i
     live: bool = True  # the rich live view (off: one log line per version)
+    sign: bool = True  # a key pair per worker under <out>/keys; the trainer requires them
     trainer: dict = field(default_factory=dict)  # TrainerConfig overrides
     worker: dict = field(default_factory=dict)  # WorkerConfig overrides
 
@@ -117,6 +118,8 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
         raise ValueError(f"[trainer] preset {preset!r} is not one of {', '.join(TRAINER_PRESETS)}")
     store = cfg.store or str(Path(cfg.out or ".") / "store")
     base.update(env=cfg.env, model=model_path or cfg.model)
+    if cfg.sign:
+        base["worker_keys"] = str(Path(cfg.out or ".") / "keys")
     trainer = load_config(
         TrainerConfig,
         base={**base, **table},

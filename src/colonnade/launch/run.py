@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 
 from colonnade.envs import load_environment
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.signing import new_keypair
 from colonnade.rollout import SamplingParams
 from colonnade.store import ObjectStore, open_store
 from colonnade.train.warmstart import WarmstartConfig, warmstart
@@ -100,6 +101,10 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
     (out / "worker.toml").write_text(to_toml({"": dataclasses.asdict(worker)}))
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    if trainer.worker_keys:  # the trainer reads the .pub files at start
+        for i in range(cfg.workers):
+            if not (Path(trainer.worker_keys) / f"w{i + 1}.key").exists():
+                new_keypair(f"w{i + 1}", Path(trainer.worker_keys))
     children = [
         spawn("trainer", ["trainer", "--config", str(out / "trainer.toml")], logs, cfg.threads)
     ]
@@ -112,6 +117,8 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
         time.sleep(0.3)
     for i in range(cfg.workers):
         args = ["worker", "--config", str(out / "worker.toml"), "--id", f"w{i + 1}"]
+        if trainer.worker_keys:
+            args += ["--key", str(Path(trainer.worker_keys) / f"w{i + 1}.key")]
         if cfg.metrics_port is not None:
             args += ["--metrics-port", str(cfg.metrics_port + 1 + i)]
         children.append(spawn(f"worker-{i + 1}", args, logs, cfg.threads))

@@ -24,6 +24,7 @@ RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
 HEARTBEAT = "trainer/heartbeat.json"
+KEYRING = "trainer/keys.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 ROLLOUT_EXT = ".json.zst"

@@ -73,6 +73,7 @@ class RunSpec:
     max_lag: int
     anchor_every: int
     sampling: dict[str, Any]
+    signed: bool = False  # rollout objects must carry a registered worker's signature
     protocol: int = PROTOCOL_VERSION
 
     def to_json(self) -> bytes:
@@ -99,6 +100,7 @@ class RunSpec:
             _need(_int(d[k], 1), f"{k}: positive integer")
         _need(_int(d["max_lag"], 0), "max_lag: integer >= 0")
         _need(isinstance(d["sampling"], dict), "sampling: object")
+        _need(isinstance(d["signed"], bool), "signed: boolean")
         return cls(**d)
 
 

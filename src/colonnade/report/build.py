@@ -76,7 +76,8 @@ def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
 
 def _ledger_batches(store: ObjectStore) -> int:
     return sum(
-        len(json.loads(store.get(k, max_bytes=64 << 20))) for k in store.list("trainer/consumed/")
+        len(json.loads(store.get(k, max_bytes=64 << 20))["keys"])
+        for k in store.list("trainer/consumed/")
     )
 
 
@@ -131,6 +132,12 @@ def build_report(store: ObjectStore) -> dict:
         "rollouts_dropped_stale": int(last.get("batches_dropped_stale", 0)),
         "rollouts_rejected": int(last.get("batches_rejected", 0)),
         "groups_rejected": int(last.get("groups_rejected", 0)),
+        "rejected_by_reason": {
+            k.removeprefix("rejected_"): int(n)
+            for k, n in sorted(last.items())
+            if k.startswith("rejected_")
+        },
+        "signed": spec.signed if spec else None,
         "gate": {
             "masked_fraction": round(masked / tokens, 5) if tokens else 0.0,
             "mismatch_kl_mean": _mean(r.get("mismatch_kl") for r in rows),

@@ -40,6 +40,7 @@ from colonnade.protocol import (
     latest_version,
 )
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps
+from colonnade.protocol.signing import load_private, sign
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.telemetry import Exporter, Telemetry
 
@@ -60,6 +61,7 @@ class WorkerConfig:
     poll_seconds: float = 1.0
     join_timeout: float = 600.0  # how long to wait for run.json
     metrics_port: int | None = None  # serve Prometheus metrics on this port
+    key: str = ""  # private key file (`colonnade keys new`); names the worker too
     seed: int = 0
 
 
@@ -121,7 +123,15 @@ def fetch_model(store: ObjectStore, spec: RunSpec):
 class Worker:
     def __init__(self, cfg: WorkerConfig, store: ObjectStore | None = None):
         self.cfg = cfg
-        self.id = keys.check_worker_id(cfg.id or f"{socket.gethostname()}-{os.getpid()}")
+        self.private = None
+        key_worker = None
+        if cfg.key:
+            key_worker, self.private = load_private(Path(cfg.key))
+            if cfg.id and cfg.id != key_worker:
+                raise ValueError(f"--id {cfg.id!r} but the key {cfg.key} is {key_worker!r}'s")
+        self.id = keys.check_worker_id(
+            cfg.id or key_worker or f"{socket.gethostname()}-{os.getpid()}"
+        )
         self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
         self.stop = Stop()
         self.seq = 0
@@ -132,6 +142,11 @@ class Worker:
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
+        if self.spec.signed and self.private is None:
+            raise ValueError(
+                "this run takes only signed batches: make a key with `colonnade keys new`, "
+                "have the operator register the .pub file, and pass --key"
+            )
         self.env = load_environment(self.spec.env, **self.spec.env_kwargs)
         model, self.tok = fetch_model(self.store, self.spec)
         self.aliases = tied_aliases(model)
@@ -190,14 +205,15 @@ class Worker:
         return RolloutBatch(self.id, v, self.seq, groups, {"reward_claimed": reward})
 
     def upload(self, batch: RolloutBatch) -> str:
-        data = encode_batch(batch)
         while True:
+            batch.seq = self.seq
             key = keys.rollout_key(batch.version, self.id, self.seq)
+            data = encode_batch(batch)
+            if self.private is not None:
+                data = sign(self.private, key, data)
             self.seq += 1
             if self.store.put_if_absent(key, data):  # a restarted worker skips used seqs
                 return key
-            batch.seq = self.seq
-            data = encode_batch(batch)
 
     def heartbeat(self) -> None:
         doc = {

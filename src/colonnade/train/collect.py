@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from colonnade.protocol import SchemaError, decode_batch, keys
+from colonnade.protocol.signing import SignatureRejected, digest, strip_unsigned, verify
 from colonnade.store import NotFound, ObjectStore
 
 from .samples import Rejected, Sample
@@ -29,6 +30,7 @@ class Collected:
     keys: list[str]
     staleness: Counter  # version lag -> groups
     wait_seconds: float
+    digests: list[str] = field(default_factory=list)  # of the payloads taken
 
 
 def take_order(fresh: dict[int, list[str]]) -> list[str]:
@@ -62,6 +64,22 @@ class Collector:
     swept_below: int = 0  # versions below this were counted as dropped
     counts: Counter = field(default_factory=Counter)
     per_worker: dict[str, Counter] = field(default_factory=dict)
+    keyring: dict | None = None  # worker -> public key; None: signatures not required
+    seen: set[str] = field(default_factory=set)  # payload digests already taken
+
+    def _reject(self, key: str, worker: str, reason: str, error: Exception) -> list:
+        log.warning("rejected batch %s (%s): %s", key, reason, error)
+        self.counts["batches_rejected"] += 1
+        self.counts[f"rejected_{reason}"] += 1
+        stats = self.per_worker.setdefault(worker, Counter())
+        stats["batches_rejected"] += 1
+        stats[f"rejected_{reason}"] += 1
+        return []
+
+    def _payload(self, key: str, data: bytes) -> bytes:
+        if self.keyring is None:
+            return strip_unsigned(data)
+        return verify(data, key, self.keyring)
 
     def _sweep(self, v: int) -> None:
         lowest = max(0, v - self.max_lag)
@@ -71,21 +89,26 @@ class Collector:
             self.consumed.update(stale)
         self.swept_below = max(self.swept_below, lowest)
 
-    def _take(self, key: str, v: int) -> list[list[Sample]]:
+    def _take(self, key: str, v: int, out: Collected) -> list[list[Sample]]:
         parsed = keys.parse_rollout_key(key)
         if parsed is None:
             return []
         version, worker, _ = parsed
         stats = self.per_worker.setdefault(worker, Counter())
         try:
-            batch = decode_batch(self.store.get(key), self.vocab, self.max_tokens)
+            payload = self._payload(key, self.store.get(key))
+            d = digest(payload)
+            if d in self.seen:
+                return self._reject(key, worker, "replay", SchemaError("payload seen before"))
+            self.seen.add(d)
+            out.digests.append(d)
+            batch = decode_batch(payload, self.vocab, self.max_tokens)
             if batch.version != version or batch.worker != worker:
                 raise SchemaError("batch names another version or worker than its key")
+        except SignatureRejected as e:
+            return self._reject(key, worker, e.reason, e)
         except (SchemaError, NotFound) as e:
-            log.warning("rejected batch %s: %s", key, e)
-            self.counts["batches_rejected"] += 1
-            stats["batches_rejected"] += 1
-            return []
+            return self._reject(key, worker, "schema", e)
         groups = []
         for g in batch.groups:
             try:
@@ -118,7 +141,7 @@ class Collector:
                 for u in range(max(0, v - self.max_lag), v + 1)
             }
             for key in take_order(fresh):
-                groups = self._take(key, v)
+                groups = self._take(key, v, out)
                 self.consumed.add(key)
                 out.keys.append(key)
                 for g in groups:

@@ -29,6 +29,7 @@ from colonnade.envs import load_environment
 from colonnade.model import load_model, publishable_state, resolve_model
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
+from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import NotFound, ObjectStore, open_store
@@ -77,6 +78,10 @@ class TrainerConfig:
     takeover: bool = False  # ignore a fresh heartbeat of another trainer
     heartbeat_timeout: float = 60.0
     metrics_port: int | None = None  # serve Prometheus metrics on this port
+    # Registered workers' public keys: a .pub file or a directory of them,
+    # re-read every step so workers can be added mid-run. Set: every batch
+    # must be signed by its worker's key. Empty: unsigned batches are taken.
+    worker_keys: str = ""
     seed: int = 0
 
     def sampling(self) -> SamplingParams:
@@ -113,6 +118,7 @@ def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
         max_lag=cfg.max_lag,
         anchor_every=cfg.anchor_every,
         sampling=sp,
+        signed=bool(cfg.worker_keys),
     )
 
 
@@ -165,6 +171,7 @@ class Trainer:
         train_ids = {t.id for t in self.env.tasks("train")}
         stop = episode_stops(self.spec.sampling["stop"], self.env)
         max_len = self.model.config.max_position_embeddings
+        consumed, seen = self._consumed()
         self.collector = Collector(
             self.store,
             lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, max_len, train_ids),
@@ -172,8 +179,12 @@ class Trainer:
             max_tokens=self.cfg.max_episode_tokens + self.cfg.max_turn_tokens,
             max_lag=self.cfg.max_lag,
             poll_seconds=self.cfg.poll_seconds,
-            consumed=self._consumed(),
+            consumed=consumed,
+            seen=seen,
         )
+        if self.spec.signed and not self.cfg.worker_keys:
+            raise RunConflict("this run requires signed batches: pass --worker-keys")
+        self._load_keys()
 
     def _start(self) -> None:
         files = _model_files(self.model_dir)
@@ -209,11 +220,25 @@ class Trainer:
             "resumed run %s from checkpoint v%d at v%d%s", self.spec.run_id, ckpt, latest, lost
         )
 
-    def _consumed(self) -> set[str]:
-        out: set[str] = set()
+    def _consumed(self) -> tuple[set[str], set[str]]:
+        """(keys, payload digests) of every batch a trainer of this run took."""
+        taken: set[str] = set()
+        seen: set[str] = set()
         for key in self.store.list("trainer/consumed/"):
-            out.update(json.loads(self.store.get(key, max_bytes=64 << 20)))
-        return out
+            doc = json.loads(self.store.get(key, max_bytes=64 << 20))
+            taken.update(doc["keys"])
+            seen.update(doc["digests"])
+        return taken, seen
+
+    def _load_keys(self) -> None:
+        """Re-read the registered public keys and publish them (trainer/keys.json)."""
+        if not self.cfg.worker_keys:
+            return
+        ring = load_keyring(Path(self.cfg.worker_keys))
+        if ring.keys() != (self.collector.keyring or {}).keys():
+            self.store.put(keys.KEYRING, keyring_json(ring))
+            log.info("registered worker keys: %s", ", ".join(sorted(ring)))
+        self.collector.keyring = ring
 
     # -- the loop ---------------------------------------------------------------------
     def _heartbeat(self, version: int | None) -> None:
@@ -243,6 +268,7 @@ class Trainer:
         trained or recorded as consumed, so a resumed run uses those batches.
         """
         t0 = time.monotonic()
+        self._load_keys()
         v = self.publisher.version
         before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
         got = self.collector.collect(v, self.cfg.groups_per_step, stop=lambda: self.stop_requested)
@@ -251,7 +277,8 @@ class Trainer:
         metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
         new_v = v + 1
         ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
-        self.store.put(ledger, json.dumps(sorted(got.keys)).encode())
+        doc = {"keys": sorted(got.keys), "digests": sorted(got.digests)}
+        self.store.put(ledger, json.dumps(doc).encode())
         pub = self.publisher.publish(publishable_state(self.model))
         rejected = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
         step_seconds = time.monotonic() - t0
