@@ -55,3 +55,13 @@ def test_collector_stops_waiting_when_asked(tmp_path):
     c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
     got = c.collect(0, need=1, stop=lambda: True)
     assert got.groups == [] and got.wait_seconds < 1
+
+
+def test_quarantined_workers_are_refused_and_samples_name_their_worker(tmp_path):
+    store = LocalStore(tmp_path)
+    _put(store, 0, "good", 0)
+    _put(store, 0, "bad", 0)
+    c = Collector(store, _rebuild, 10, 8, 1, 0.01, quarantined={"bad"})
+    got = c.collect(0, need=2, timeout=0.3)
+    assert len(got.groups) == 1 and all(s.worker == "good" for s in got.groups[0])
+    assert c.counts["rejected_quarantined"] == 1 and c.per_worker["bad"]["batches_rejected"] == 1

@@ -25,6 +25,7 @@ LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
 HEARTBEAT = "trainer/heartbeat.json"
 KEYRING = "trainer/keys.json"
+QUARANTINE = "trainer/quarantine.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 ROLLOUT_EXT = ".json.zst"

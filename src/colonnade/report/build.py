@@ -20,6 +20,7 @@ from colonnade.protocol import RunSpec, keys, latest_version, read_meta
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.store import NotFound, ObjectStore
 from colonnade.telemetry import read_rows
+from colonnade.train.quarantine import accumulate, figures
 
 
 def _json(store: ObjectStore, key: str):
@@ -53,6 +54,9 @@ def _versions(store: ObjectStore) -> list[dict]:
 def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
     rows = read_rows(store, "worker")
     consumed = trainer_rows[-1].get("per_worker", {}) if trainer_rows else {}
+    gate: dict[str, dict] = {}
+    for r in trainer_rows:
+        accumulate(gate, r.get("gate_by_worker") or {})
     out = {}
     for name, wrows in rows.items():
         wid = name.removeprefix("worker-")
@@ -68,6 +72,8 @@ def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
             "store_errors": sum(r.get("store_errors", 0) for r in wrows),
             "groups_accepted": consumed.get(wid, {}).get("groups", 0),
             "rejected": {k: n for k, n in consumed.get(wid, {}).items() if k != "groups"},
+            "gate_masked_fraction": round(figures(gate[wid])[1], 5) if wid in gate else None,
+            "mismatch_kl": round(figures(gate[wid])[0], 6) if wid in gate else None,
             "engine": hb.get("engine"),
             "last_version": hb.get("version"),
         }
@@ -138,6 +144,7 @@ def build_report(store: ObjectStore) -> dict:
             if k.startswith("rejected_")
         },
         "signed": spec.signed if spec else None,
+        "quarantined": _json(store, keys.QUARANTINE) or {},
         "gate": {
             "masked_fraction": round(masked / tokens, 5) if tokens else 0.0,
             "mismatch_kl_mean": _mean(r.get("mismatch_kl") for r in rows),

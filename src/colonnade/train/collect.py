@@ -66,6 +66,7 @@ class Collector:
     per_worker: dict[str, Counter] = field(default_factory=dict)
     keyring: dict | None = None  # worker -> public key; None: signatures not required
     seen: set[str] = field(default_factory=set)  # payload digests already taken
+    quarantined: set[str] = field(default_factory=set)  # workers whose batches are refused
 
     def _reject(self, key: str, worker: str, reason: str, error: Exception) -> list:
         log.warning("rejected batch %s (%s): %s", key, reason, error)
@@ -95,6 +96,8 @@ class Collector:
             return []
         version, worker, _ = parsed
         stats = self.per_worker.setdefault(worker, Counter())
+        if worker in self.quarantined:
+            return self._reject(key, worker, "quarantined", SchemaError("worker is quarantined"))
         try:
             payload = self._payload(key, self.store.get(key))
             d = digest(payload)
@@ -112,7 +115,10 @@ class Collector:
         groups = []
         for g in batch.groups:
             try:
-                groups.append(self.rebuild(g, version))
+                samples = self.rebuild(g, version)
+                for sample in samples:
+                    sample.worker = worker
+                groups.append(samples)
             except (Rejected, KeyError) as e:
                 self.counts["groups_rejected"] += 1
                 stats["groups_rejected"] += 1

@@ -32,6 +32,11 @@ class LossOut:
     tokens: int  # model tokens considered
     kept: int = 0  # model tokens the gate let through
     loss_sum: torch.Tensor | None = None  # loss · kept: sums across micro-batches
+    # Per row (dim 0) of 2-D inputs: model tokens, kept tokens, sum of log m − log p.
+    # The trainer sums them per worker to spot one whose log-probs do not fit.
+    row_tokens: list[int] | None = None
+    row_kept: list[int] | None = None
+    row_kl_sum: list[float] | None = None
 
 
 def dppo_mask(p: torch.Tensor, m: torch.Tensor, adv: torch.Tensor, cfg: GateConfig):
@@ -69,6 +74,14 @@ def dppo_loss(
     loss_sum = (per_token * keep).sum()
     loss = loss_sum / max(kept, 1)
     sel = model_mask
+    rows = {}
+    if logp.dim() == 2:
+        gap = (behaviour_logp - logp.detach()) * model_mask
+        rows = dict(
+            row_tokens=model_mask.sum(1).tolist(),
+            row_kept=keep.sum(1).tolist(),
+            row_kl_sum=gap.sum(1).tolist(),
+        )
     return LossOut(
         loss=loss,
         masked_fraction=1.0 - kept / n,
@@ -77,4 +90,5 @@ def dppo_loss(
         tokens=n,
         kept=kept,
         loss_sum=loss_sum,
+        **rows,
     )

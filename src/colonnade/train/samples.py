@@ -30,6 +30,7 @@ class Sample:
     from_model: list[bool]  # over the generated tokens
     behaviour_logp: list[float]  # over the generated tokens
     score: Score
+    worker: str = ""  # who sent it (set by the collector from the object key)
 
 
 def _segments(from_model: Sequence[bool]) -> list[tuple[bool, int, int]]:

@@ -77,6 +77,7 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         for s, a in zip(g, adv, strict=True)
     ]
     totals = {"tokens": 0, "kept": 0, "abs_diff": 0.0, "kl": 0.0, "loss": 0.0}
+    per_worker: dict[str, dict[str, float]] = {}
     model.train()
     opt.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
@@ -92,6 +93,7 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         totals["abs_diff"] += out.mean_abs_diff * out.tokens
         totals["kl"] += out.mismatch_kl * out.tokens
         totals["loss"] += float(out.loss_sum.detach())
+        _add_rows(per_worker, samples, out)
     kept, tokens = totals["kept"], totals["tokens"]
     grad_norm = 0.0
     if kept:
@@ -114,4 +116,14 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         "mean_abs_diff": totals["abs_diff"] / tokens if tokens else 0.0,
         "mismatch_kl": totals["kl"] / tokens if tokens else 0.0,
         "grad_norm": grad_norm,
+        "gate_by_worker": per_worker,
     }
+
+
+def _add_rows(per_worker: dict, samples: Sequence[Sample], out) -> None:
+    """Sum a micro-batch's per-row gate figures into {worker: tokens, kept, kl_sum}."""
+    for s, n, k, kl in zip(samples, out.row_tokens, out.row_kept, out.row_kl_sum, strict=True):
+        w = per_worker.setdefault(s.worker, {"tokens": 0, "kept": 0, "kl_sum": 0.0})
+        w["tokens"] += int(n)
+        w["kept"] += int(k)
+        w["kl_sum"] += float(kl)

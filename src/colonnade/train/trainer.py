@@ -38,6 +38,7 @@ from colonnade.telemetry import Exporter, Telemetry
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .collect import Collector
 from .loss import GateConfig
+from .quarantine import QuarantineConfig, accumulate, outliers
 from .samples import rebuild_group
 from .step import StepConfig, train_step
 
@@ -82,6 +83,8 @@ class TrainerConfig:
     # re-read every step so workers can be added mid-run. Set: every batch
     # must be signed by its worker's key. Empty: unsigned batches are taken.
     worker_keys: str = ""
+    quarantine_factor: float = 5.0  # × the fleet's median mismatch; 0: never quarantine
+    quarantine_min_tokens: int = 400
     seed: int = 0
 
     def sampling(self) -> SamplingParams:
@@ -158,6 +161,10 @@ class Trainer:
         )
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
+        self.quarantine_cfg = QuarantineConfig(
+            factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens
+        )
+        self.gate_totals: dict[str, dict] = {}  # worker -> summed gate stats, this process
         exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
         self.stop_requested = False
@@ -182,6 +189,8 @@ class Trainer:
             consumed=consumed,
             seen=seen,
         )
+        self.quarantined = self._read_quarantine()
+        self.collector.quarantined = set(self.quarantined)
         if self.spec.signed and not self.cfg.worker_keys:
             raise RunConflict("this run requires signed batches: pass --worker-keys")
         self._load_keys()
@@ -229,6 +238,27 @@ class Trainer:
             taken.update(doc["keys"])
             seen.update(doc["digests"])
         return taken, seen
+
+    def _read_quarantine(self) -> dict:
+        try:
+            return loads(self.store.get(keys.QUARANTINE, max_bytes=MAX_JSON_BYTES))
+        except NotFound:
+            return {}
+
+    def _judge(self, version: int, step_stats: dict[str, dict]) -> None:
+        """Quarantine the workers whose summed gate figures stand out."""
+        accumulate(self.gate_totals, step_stats)
+        fresh = {
+            w: why
+            for w, why in outliers(self.gate_totals, self.quarantine_cfg).items()
+            if w not in self.quarantined
+        }
+        for w, why in fresh.items():
+            log.warning("quarantined worker %s at v%d: %s", w, version, why)
+            self.quarantined[w] = {"reason": why, "version": version, "time": time.time()}
+        if fresh:
+            self.collector.quarantined = set(self.quarantined)
+            self.store.put(keys.QUARANTINE, dumps(self.quarantined))
 
     def _load_keys(self) -> None:
         """Re-read the registered public keys and publish them (trainer/keys.json)."""
@@ -297,6 +327,7 @@ class Trainer:
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in self.collector.counts.items()},
         )
+        self._judge(new_v, metrics["gate_by_worker"])
         self.telemetry.row(**metrics)
         self._heartbeat(new_v)
         if new_v % self.cfg.checkpoint_every == 0:
