@@ -1,0 +1,62 @@
+"""A worker forging log-probs beside an honest one: quarantined, the run goes on.
+
+Trainer, an honest worker and a lying worker run as separate processes over
+a local store (smoke preset). The liar's rewards are recomputed like anyone's,
+but its claimed log-probs do not fit the policy: its mismatch KL stands far
+above the honest worker's, it is quarantined, and its later batches are
+refused while the honest worker's keep training.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colonnade.store import LocalStore
+from colonnade.telemetry import read_rows
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.timeout(300)
+def test_a_lying_worker_is_quarantined(tmp_path):
+    root = tmp_path / "run"
+    env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "colonnade.cli.main"]
+    # A warm start, so groups have mixed rewards: flat groups train nothing and
+    # carry no gate figures (nor any harm).
+    model = subprocess.run(
+        [*cli, "warmstart", "--env", "smoke", "--steps", "200", "--good-fraction", "0.3"],
+        env=env, capture_output=True, text=True, check=True, timeout=200,
+    ).stdout.strip()  # fmt: skip
+    cfg = tmp_path / "trainer.toml"
+    cfg.write_text(
+        f'store = "{root}"\nmodel = "{model}"\nmax_versions = 8\nquarantine_min_tokens = 50\n'
+    )
+    logs = {n: (tmp_path / f"{n}.log").open("w") for n in ("trainer", "honest", "liar")}
+    procs = [
+        subprocess.Popen([*cli, "trainer", "--config", str(cfg), "--preset", "smoke"],
+                         env=env, stdout=logs["trainer"], stderr=subprocess.STDOUT),
+        subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest"],
+                         env=env, stdout=logs["honest"], stderr=subprocess.STDOUT),
+        subprocess.Popen([sys.executable, str(HERE / "liar_worker.py"), "--store", str(root),
+                          "--id", "liar"], env=env, stdout=logs["liar"], stderr=subprocess.STDOUT),
+    ]  # fmt: skip
+    try:
+        assert procs[0].wait(timeout=280) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    store = LocalStore(root)
+    quarantine = json.loads(store.get("trainer/quarantine.json"))
+    assert list(quarantine) == ["liar"], quarantine
+    assert "mismatch KL" in quarantine["liar"]["reason"]
+    rows = read_rows(store, "trainer")["trainer-main"]
+    assert rows[-1]["version"] == 8
+    after = [r for r in rows if r["version"] > quarantine["liar"]["version"]]
+    assert after and all("liar" not in r["gate_by_worker"] for r in after)
+    assert rows[-1]["per_worker"]["liar"]["rejected_quarantined"] >= 1
