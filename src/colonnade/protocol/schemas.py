@@ -207,10 +207,11 @@ def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
     _need(isinstance(d["stats"], dict) and all(_num(v) for v in d["stats"].values()), "stats")
     groups = d["groups"]
     _need(isinstance(groups, list) and groups, "groups: non-empty list")
-    _need(
-        sum(len(g.get("episodes", [])) for g in groups if isinstance(g, dict)) <= MAX_EPISODES,
-        "too many episodes",
-    )
+    # Counted before any episode is parsed, so a huge batch costs nothing.
+    sizes = [
+        len(e) for g in groups if isinstance(g, dict) and isinstance(e := g.get("episodes"), list)
+    ]
+    _need(sum(sizes) <= MAX_EPISODES, "too many episodes")
     out = []
     for g in groups:
         _need(isinstance(g, dict) and set(g) == {"task_id", "episodes"}, "group fields")
