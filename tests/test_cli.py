@@ -197,6 +197,13 @@ def test_missing_and_non_safetensors_inputs(checkpoints, capsys):
     assert not (d / "p.pulse").exists()
 
 
-def test_run_says_clearly_it_is_not_built(capsys):
-    assert main(["run"]) == 2
-    assert "not built yet" in _error_line(capsys)
+def test_run_rejects_bad_settings_in_one_line(tmp_path, capsys):
+    assert main(["run", "--preset", "huge"]) == 2
+    assert "unknown preset 'huge'" in _error_line(capsys)
+    bad = tmp_path / "run.toml"
+    bad.write_text("[trainer]\nlearnig_rate = 1\n")
+    assert main(["run", "--config", str(bad)]) == 2
+    assert "learnig_rate" in _error_line(capsys)
+    assert main(["config", "show", "--preset", "smoke", "--workers", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "workers = 5" in out and "[trainer]" in out and "[worker]" in out

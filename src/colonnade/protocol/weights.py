@@ -82,7 +82,10 @@ class Publisher:
             created=time.time(),
         )
         if not self.store.put_if_absent(keys.meta_key(v), meta.to_json()):
-            raise VersionError(f"version {v} is already published: is another trainer running?")
+            # A retry after an outage may find its own earlier write: same state, fine.
+            existing = read_meta(self.store, v)
+            if existing is None or existing.state_sha256 != sha:
+                raise VersionError(f"version {v} is already published: is another trainer running?")
         self.store.put(keys.LATEST, dumps({"version": v}))
         self.adopt(v, new, sha)
         return Published(meta, time.perf_counter() - t0)

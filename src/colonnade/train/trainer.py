@@ -32,7 +32,7 @@ from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
-from colonnade.store import NotFound, ObjectStore, open_store
+from colonnade.store import NotFound, ObjectStore, StoreUnavailable, open_store
 from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -79,6 +79,7 @@ class TrainerConfig:
     takeover: bool = False  # ignore a fresh heartbeat of another trainer
     heartbeat_timeout: float = 60.0
     metrics_port: int | None = None  # serve Prometheus metrics on this port
+    store_outage_seconds: float = 900.0  # keep retrying an unavailable store this long
     # Registered workers' public keys: a .pub file or a directory of them,
     # re-read every step so workers can be added mid-run. Set: every batch
     # must be signed by its worker's key. Empty: unsigned batches are taken.
@@ -136,6 +137,23 @@ def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
             f"another trainer ({hb.get('host')}, {hb.get('instance')}) wrote a heartbeat "
             f"{age:.0f} s ago under {store.url}; if it is dead, pass --takeover"
         )
+
+
+def retry_store(what: str, fn, deadline_s: float, sleep=time.sleep):
+    """fn() until it stops raising StoreUnavailable, backing off; gives up after deadline_s."""
+    t0, attempt = time.monotonic(), 0
+    while True:
+        try:
+            return fn()
+        except StoreUnavailable as e:
+            waited = time.monotonic() - t0
+            if waited > deadline_s:
+                raise StoreUnavailable(f"{what}: store unavailable for {waited:.0f} s: {e}") from e
+            delay = min(30.0, 0.5 * 2**attempt)
+            log.warning("store unavailable (%s, attempt %d): %s; retrying in %.1f s",
+                        what, attempt + 1, e, delay)  # fmt: skip
+            sleep(delay)
+            attempt += 1
 
 
 class Trainer:
@@ -245,8 +263,8 @@ class Trainer:
         except NotFound:
             return {}
 
-    def _judge(self, version: int, step_stats: dict[str, dict]) -> None:
-        """Quarantine the workers whose summed gate figures stand out."""
+    def _judge(self, version: int, step_stats: dict[str, dict]) -> bool:
+        """Quarantine the workers whose summed gate figures stand out; True if any is new."""
         accumulate(self.gate_totals, step_stats)
         fresh = {
             w: why
@@ -256,9 +274,11 @@ class Trainer:
         for w, why in fresh.items():
             log.warning("quarantined worker %s at v%d: %s", w, version, why)
             self.quarantined[w] = {"reason": why, "version": version, "time": time.time()}
-        if fresh:
-            self.collector.quarantined = set(self.quarantined)
-            self.store.put(keys.QUARANTINE, dumps(self.quarantined))
+        self.collector.quarantined = set(self.quarantined)
+        return bool(fresh)
+
+    def _write_quarantine(self) -> None:
+        self.store.put(keys.QUARANTINE, dumps(self.quarantined))
 
     def _load_keys(self) -> None:
         """Re-read the registered public keys and publish them (trainer/keys.json)."""
@@ -296,24 +316,29 @@ class Trainer:
 
         None when a stop was requested while waiting for rollouts: nothing is
         trained or recorded as consumed, so a resumed run uses those batches.
+        Store outages are retried (collection, then publication) up to
+        `store_outage_seconds`; the update itself is made once.
         """
         t0 = time.monotonic()
-        self._load_keys()
+        deadline = self.cfg.store_outage_seconds
+        retry_store("keys", self._load_keys, deadline)
         v = self.publisher.version
         before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
-        got = self.collector.collect(v, self.cfg.groups_per_step, stop=lambda: self.stop_requested)
+        got = retry_store(
+            "collect",
+            lambda: self.collector.collect(
+                v, self.cfg.groups_per_step, stop=lambda: self.stop_requested
+            ),
+            deadline,
+        )
         if len(got.groups) < self.cfg.groups_per_step:
             return None
         metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
-        new_v = v + 1
-        ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
-        doc = {"keys": sorted(got.keys), "digests": sorted(got.digests)}
-        self.store.put(ledger, json.dumps(doc).encode())
-        pub = self.publisher.publish(publishable_state(self.model))
+        pub = retry_store("publish", lambda: self._commit(v + 1, got), deadline)
         rejected = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
         step_seconds = time.monotonic() - t0
         metrics.update(
-            version=new_v,
+            version=v + 1,
             staleness={str(k): n for k, n in sorted(got.staleness.items())},
             wait_seconds=round(got.wait_seconds, 3),
             step_seconds=round(step_seconds, 3),
@@ -323,16 +348,27 @@ class Trainer:
             full_bytes=pub.meta.full_bytes,
             kind=pub.meta.kind,
             rejected=rejected - before,
-            workers_alive=self.workers_alive(),
+            workers_alive=retry_store("workers", self.workers_alive, deadline),
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in self.collector.counts.items()},
         )
-        self._judge(new_v, metrics["gate_by_worker"])
+        if self._judge(v + 1, metrics["gate_by_worker"]):
+            retry_store("quarantine", self._write_quarantine, deadline)
         self.telemetry.row(**metrics)
-        self._heartbeat(new_v)
-        if new_v % self.cfg.checkpoint_every == 0:
-            save_checkpoint(self.store, new_v, self.model, self.opt, {"instance": self.instance})
+        retry_store("heartbeat", lambda: self._heartbeat(v + 1), deadline)
+        if (v + 1) % self.cfg.checkpoint_every == 0:
+            retry_store("checkpoint", lambda: self._checkpoint(v + 1), deadline)
         return metrics
+
+    def _commit(self, new_v: int, got):
+        """Ledger, then the version: safe to repeat after a failed attempt."""
+        ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
+        doc = {"keys": sorted(got.keys), "digests": sorted(got.digests)}
+        self.store.put(ledger, json.dumps(doc).encode())
+        return self.publisher.publish(publishable_state(self.model))
+
+    def _checkpoint(self, v: int) -> None:
+        save_checkpoint(self.store, v, self.model, self.opt, {"instance": self.instance})
 
     def install_stop(self) -> None:
         """SIGTERM: finish the version in flight, checkpoint, exit (resumable)."""
@@ -348,7 +384,7 @@ class Trainer:
         while self.publisher.version < self.cfg.max_versions:
             if self.stop_requested:
                 v = self.publisher.version
-                save_checkpoint(self.store, v, self.model, self.opt, {"instance": self.instance})
+                self._checkpoint(v)
                 log.info("stopped at v%d (checkpointed; the run can resume)", v)
                 return
             m = self.step()
