@@ -1,18 +1,18 @@
 import torch
-from torch.ao.nn.quantized import dynamic as nnqd
 
-from colonnade.model import int8_state, load_dequantized, load_model, tied_aliases
+from colonnade.model import int8_state, load_dequantized, load_int8, load_model, tied_aliases
+from colonnade.model.int8 import Int8Linear
 from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows
 
 
 def test_int8_linears_hold_exactly_the_published_codes(tiny_int8):
     model, state = tiny_int8
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nnqd.Linear)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
     assert len(linears) == 4 * 7 + 1  # q k v o gate up down per layer, and the head
     for name, layer in linears.items():
         key = "model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"
         want = dequantize_rows(state[key], state[key + SCALE_SUFFIX])
-        assert torch.equal(layer.weight().dequantize(), want), name
+        assert torch.equal(layer.codes, state[key]) and torch.equal(layer.dequantized(), want), name
     emb = state["model.embed_tokens.weight"]
     want = dequantize_rows(emb, state["model.embed_tokens.weight" + SCALE_SUFFIX])
     assert torch.equal(model.model.embed_tokens.weight, want)
@@ -51,3 +51,33 @@ def test_dequantized_path_runs_the_same_weights(tiny_dir, tiny, tiny_int8):
     key = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(q, dequantize_rows(state[key], state[key + SCALE_SUFFIX]))
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_int8_linear_matches_its_dequantized_weights_on_every_width():
+    # The fast kernel needs in_features % 16 == 0; other widths take the
+    # float path. Both compute x · (codes · scale)ᵀ; the fast one rounds x to bf16.
+    torch.manual_seed(0)
+    for in_f in (16, 48, 100, 192):
+        codes = torch.randint(-127, 128, (33, in_f), dtype=torch.int8)
+        scale = torch.rand(33) * 0.01
+        layer = Int8Linear(codes, scale, torch.randn(33))
+        assert layer.fast == (in_f % 16 == 0)
+        x = torch.randn(2, 3, in_f)
+        want = x @ dequantize_rows(codes, scale).t() + layer.bias
+        got = layer(x)
+        assert got.shape == (2, 3, 33) and got.dtype == torch.float32
+        assert (got - want).abs().max() < 0.01 * want.abs().max(), in_f
+
+
+def test_loading_a_newer_state_replaces_codes_in_place(tiny_dir, tiny):
+    model, _ = load_model(tiny_dir)
+    aliases = tied_aliases(model)
+    first = int8_state(tiny[0])
+    load_int8(model, first, aliases)
+    layer = model.model.layers[0].mlp.up_proj
+    newer = {k: v.clone() for k, v in first.items()}
+    key = "model.layers.0.mlp.up_proj.weight"
+    newer[key] = -newer[key]
+    load_int8(model, newer, aliases)
+    assert model.model.layers[0].mlp.up_proj is layer  # same module, new codes
+    assert torch.equal(layer.codes, newer[key])

@@ -21,7 +21,7 @@ PRECISIONS = ("int8", "fp32", "bf16")
 def load_engine(path: str, precision: str = "int8", device: str = "auto", version: int = 0):
     """An engine over the model at `path`.
 
-    `int8` runs the PULSE int8 codes: on CPU with fbgemm int8 linears, on
+    `int8` runs the PULSE int8 codes: on CPU with int8 weight-only linears, on
     CUDA/MPS dequantized to bfloat16 (the same codes, a float kernel).
     """
     if precision not in PRECISIONS:

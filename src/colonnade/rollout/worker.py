@@ -221,7 +221,7 @@ class Worker:
             "host": socket.gethostname(),
             "platform": platform.platform(),
             "device": str(self.device),
-            "engine": f"{self.spec.precision}-{'fbgemm' if self.device.type == 'cpu' else 'float'}",
+            "engine": f"{self.spec.precision}-{'w8' if self.device.type == 'cpu' else 'float'}",
             "threads": torch.get_num_threads(),
             "version": self.follower.version,
             "batches": self.batches,
