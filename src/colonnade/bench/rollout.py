@@ -1,8 +1,8 @@
 """Rollout throughput: our engine in fp32 and int8 against transformers' `generate`.
 
 Side by side in one run, per model and batch size: generated tokens/s of
-colonnade's engine with float32 weights, with the PULSE int8 weights on
-fbgemm, and of `model.generate` (float32, sampling, KV cache) on the same
+colonnade's engine with float32 weights, with the PULSE int8 weights
+(weight-only int8 kernel), and of `model.generate` (float32, sampling, KV cache) on the same
 prompt; and the process's peak RSS during each row. Every configuration is
 warmed up once, then timed `--repeats` times; the median is reported.
 """
