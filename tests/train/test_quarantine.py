@@ -70,3 +70,14 @@ def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
     assert abs(by["liar"]["kl_sum"]) / by["liar"]["tokens"] > 1.0
     assert sum(w["tokens"] for w in by.values()) == m["tokens"]
     assert list(outliers(by, QuarantineConfig(min_tokens=1))) == ["liar"]
+
+
+def test_ledger_decides_once_and_remembers():
+    from colonnade.train.quarantine import Ledger
+
+    ledger = Ledger(CFG)
+    honest = {"a": _s(300, 300, 0.01), "b": _s(300, 299, 0.01)}
+    assert not ledger.judge(1, {**honest, "x": _s(50, 50, 2.0)})  # too little evidence yet
+    assert ledger.judge(2, {"x": _s(100, 100, 2.0)})  # 150 tokens now: decided
+    assert list(ledger.decisions) == ["x"] and ledger.decisions["x"]["version"] == 2
+    assert not ledger.judge(3, {"x": _s(100, 100, 2.0)})  # not decided twice

@@ -11,8 +11,12 @@ from then on, and the decision is logged and written to the store.
 
 from __future__ import annotations
 
+import logging
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("colonnade.trainer")
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,23 @@ def accumulate(total: dict[str, dict], step: dict[str, dict]) -> None:
         t = total.setdefault(w, {"tokens": 0, "kept": 0, "kl_sum": 0.0})
         for k in t:
             t[k] += s[k]
+
+
+@dataclass
+class Ledger:
+    """The trainer's running figures per worker and its decisions so far."""
+
+    cfg: QuarantineConfig
+    decisions: dict[str, dict] = field(default_factory=dict)  # worker -> reason, version, time
+    totals: dict[str, dict] = field(default_factory=dict)  # summed gate stats, this process
+
+    def judge(self, version: int, step_stats: dict[str, dict]) -> bool:
+        """Add a step's figures; quarantine the workers that now stand out. True if any."""
+        accumulate(self.totals, step_stats)
+        fresh = {
+            w: why for w, why in outliers(self.totals, self.cfg).items() if w not in self.decisions
+        }
+        for w, why in fresh.items():
+            log.warning("quarantined worker %s at v%d: %s", w, version, why)
+            self.decisions[w] = {"reason": why, "version": version, "time": time.time()}
+        return bool(fresh)

@@ -38,7 +38,7 @@ from colonnade.telemetry import Exporter, Telemetry
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .collect import Collector
 from .loss import GateConfig
-from .quarantine import QuarantineConfig, accumulate, outliers
+from .quarantine import Ledger, QuarantineConfig
 from .samples import rebuild_group
 from .step import StepConfig, train_step
 
@@ -179,10 +179,9 @@ class Trainer:
         )
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
-        self.quarantine_cfg = QuarantineConfig(
-            factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens
+        self.quarantine = Ledger(
+            QuarantineConfig(factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens)
         )
-        self.gate_totals: dict[str, dict] = {}  # worker -> summed gate stats, this process
         exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
         self.stop_requested = False
@@ -207,8 +206,8 @@ class Trainer:
             consumed=consumed,
             seen=seen,
         )
-        self.quarantined = self._read_quarantine()
-        self.collector.quarantined = set(self.quarantined)
+        self.quarantine.decisions = self._read_quarantine()
+        self.collector.quarantined = set(self.quarantine.decisions)
         if self.spec.signed and not self.cfg.worker_keys:
             raise RunConflict("this run requires signed batches: pass --worker-keys")
         self._load_keys()
@@ -263,22 +262,8 @@ class Trainer:
         except NotFound:
             return {}
 
-    def _judge(self, version: int, step_stats: dict[str, dict]) -> bool:
-        """Quarantine the workers whose summed gate figures stand out; True if any is new."""
-        accumulate(self.gate_totals, step_stats)
-        fresh = {
-            w: why
-            for w, why in outliers(self.gate_totals, self.quarantine_cfg).items()
-            if w not in self.quarantined
-        }
-        for w, why in fresh.items():
-            log.warning("quarantined worker %s at v%d: %s", w, version, why)
-            self.quarantined[w] = {"reason": why, "version": version, "time": time.time()}
-        self.collector.quarantined = set(self.quarantined)
-        return bool(fresh)
-
     def _write_quarantine(self) -> None:
-        self.store.put(keys.QUARANTINE, dumps(self.quarantined))
+        self.store.put(keys.QUARANTINE, dumps(self.quarantine.decisions))
 
     def _load_keys(self) -> None:
         """Re-read the registered public keys and publish them (trainer/keys.json)."""
@@ -352,7 +337,8 @@ class Trainer:
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in self.collector.counts.items()},
         )
-        if self._judge(v + 1, metrics["gate_by_worker"]):
+        if self.quarantine.judge(v + 1, metrics["gate_by_worker"]):
+            self.collector.quarantined = set(self.quarantine.decisions)
             retry_store("quarantine", self._write_quarantine, deadline)
         self.telemetry.row(**metrics)
         retry_store("heartbeat", lambda: self._heartbeat(v + 1), deadline)
