@@ -51,17 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _progress(description: str, total: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from colonnade.launch.live import progress_bar
 
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        "{task.fields[info]}",
-        transient=True,
-        console=_console(),
-    )
+    bar = progress_bar(_console())
     task = bar.add_task(description, total=total, info="")
     return bar, task
 

@@ -5,13 +5,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from colonnade.protocol.schemas import MAX_JSON_BYTES, loads
-from colonnade.store import NotFound, ObjectStore
+from colonnade.protocol.presence import alive, worker_heartbeats
+from colonnade.store import ObjectStore
 from colonnade.telemetry import read_rows
 
 ALIVE_SECONDS = 60.0
+
+
+def progress_bar(console: Console) -> Progress:
+    """The bar of long steps (warm start, eval): count, ETA and a free `info` field."""
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        "{task.fields[info]}",
+        console=console,
+        transient=True,
+    )
 
 
 @dataclass
@@ -38,12 +53,7 @@ def snapshot(store: ObjectStore, max_versions: int) -> Snapshot:
         snap.last = rows[-1]
         snap.version = int(rows[-1].get("version", 0))
         snap.step_seconds = [r.get("step_seconds", 0.0) for r in rows]
-    for key in store.list("workers/"):
-        try:
-            hb = loads(store.get(key, max_bytes=MAX_JSON_BYTES))
-        except (NotFound, ValueError):
-            continue
-        snap.workers[str(hb.get("worker", key))] = hb
+    snap.workers = worker_heartbeats(store)
     snap.synced_bytes = sum(
         r.get("sync_bytes", 0) for wrows in read_rows(store, "worker").values() for r in wrows
     )
@@ -60,12 +70,10 @@ def render(snap: Snapshot, phase: str) -> Table:
         t.add_row("pass rate (train)", f"{last.get('pass_rate', 0):.3f}")
         t.add_row("gate masked", f"{last.get('masked_fraction', 0):.4f}")
         t.add_row("trainer waiting", f"{100 * last.get('wait_fraction', 0):.0f}%")
-    now = time.time()
-    alive = {w: hb for w, hb in snap.workers.items() if now - hb.get("time", 0) < ALIVE_SECONDS}
+    live = alive(snap.workers, time.time(), ALIVE_SECONDS)
     t.add_row(
         "workers alive",
-        f"{len(alive)}: "
-        + ", ".join(f"{w}@v{hb.get('version')}" for w, hb in sorted(alive.items())),
+        f"{len(live)}: " + ", ".join(f"{w}@v{hb.get('version')}" for w, hb in sorted(live.items())),
     )
     t.add_row("bytes synced", f"{snap.synced_bytes / 1e6:.2f} MB")
     t.add_row("ETA", "-" if eta is None else f"{eta:.0f} s")

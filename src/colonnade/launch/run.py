@@ -16,18 +16,18 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
 from colonnade.envs import load_environment
 from colonnade.protocol import keys, latest_version
 from colonnade.protocol.signing import new_keypair
 from colonnade.rollout import SamplingParams
 from colonnade.store import ObjectStore, open_store
+from colonnade.train.trainer import TrainerConfig
 from colonnade.train.warmstart import WarmstartConfig, warmstart
 
 from . import evaluation
 from .config import RunConfig, effective_tables, role_configs, to_toml
-from .live import log_line, render, snapshot
+from .live import log_line, progress_bar, render, snapshot
 from .processes import Child, spawn, stop_all, wait_exit
 
 log = logging.getLogger("colonnade.run")
@@ -35,18 +35,6 @@ log = logging.getLogger("colonnade.run")
 
 class RunFailed(RuntimeError):
     """A child process failed; the report says what was done before."""
-
-
-def _bar(console: Console) -> Progress:
-    return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        "{task.fields[info]}",
-        console=console,
-        transient=True,
-    )
 
 
 def prepare(cfg: RunConfig) -> RunConfig:
@@ -62,7 +50,7 @@ def _warm(cfg: RunConfig, console: Console) -> str:
         model=cfg.model, env=cfg.env, good_fraction=cfg.good_fraction, steps=cfg.warmstart_steps
     )
     steps = ws.resolved().steps
-    with _bar(console) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("warm start", total=steps, info="")
         path, built = warmstart(
             ws, progress=lambda s, n, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}")
@@ -71,8 +59,9 @@ def _warm(cfg: RunConfig, console: Console) -> str:
     return str(path)
 
 
-def _eval(cfg, store: ObjectStore, which: str, engine, console: Console) -> dict:
-    trainer, _ = role_configs(cfg)
+def _eval(
+    cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, which: str, engine, console
+) -> dict:
     env = load_environment(cfg.env, **trainer.env_kwargs)
     params = SamplingParams(
         temperature=cfg.eval_temperature,
@@ -80,7 +69,7 @@ def _eval(cfg, store: ObjectStore, which: str, engine, console: Console) -> dict
         max_episode_tokens=trainer.max_episode_tokens,
     )
     n = min(cfg.eval_n, len(env.tasks("test")))
-    with _bar(console) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task(f"eval {which}", total=n, info="")
         figures = evaluation.run_eval(
             engine, env, n, params, cfg.eval_batch, lambda k, _t: bar.update(task, completed=k)
@@ -125,15 +114,16 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
     return children
 
 
-def _watch(cfg: RunConfig, store: ObjectStore, children: list[Child], console: Console) -> None:
+def _watch(
+    cfg: RunConfig, max_versions: int, store: ObjectStore, children: list[Child], console: Console
+) -> None:
     """Until the trainer exits; raises RunFailed if it fails."""
-    trainer, _ = role_configs(cfg)
     reported_dead: set[str] = set()
     last_v = -1
 
     def tick() -> None:
         nonlocal last_v
-        snap = snapshot(store, trainer.max_versions)
+        snap = snapshot(store, max_versions)
         for c in children[1:]:
             if not c.alive and c.name not in reported_dead:
                 reported_dead.add(c.name)
@@ -189,14 +179,14 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
     try:
         model_path = _warm(cfg, console)
         if cfg.eval_n:
-            _eval(cfg, store, "before", evaluation.model_engine(model_path), console)
+            _eval(cfg, trainer_cfg, store, "before", evaluation.model_engine(model_path), console)
         children = _launch_children(cfg, model_path, store)
         _write_launch(store, facts, started)
-        _watch(cfg, store, children, console)
+        _watch(cfg, trainer_cfg.max_versions, store, children, console)
         wait_exit(children[1:], 60)
         stop_all(children)
         facts["status"] = "finished"
-        _after(cfg, store, console)
+        _after(cfg, trainer_cfg, store, console)
     except KeyboardInterrupt:
         facts["status"] = "interrupted"
         console.print("[yellow]interrupted: stopping the trainer and workers")
@@ -213,14 +203,14 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
     return report
 
 
-def _after(cfg: RunConfig, store: ObjectStore, console: Console) -> None:
+def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: Console) -> None:
     final = latest_version(store)
     if final is None:
         return
     evaluation.export_version(store, final, Path(cfg.out) / "final-model")
     console.print(f"final model (v{final}): {Path(cfg.out) / 'final-model'}")
     if cfg.eval_n:
-        _eval(cfg, store, "after", evaluation.version_engine(store, final), console)
+        _eval(cfg, trainer, store, "after", evaluation.version_engine(store, final), console)
 
 
 def _quiet_transformers() -> None:

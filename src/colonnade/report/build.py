@@ -17,6 +17,7 @@ import statistics
 from collections import Counter
 
 from colonnade.protocol import RunSpec, keys, latest_version, read_meta
+from colonnade.protocol.presence import worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.store import NotFound, ObjectStore
 from colonnade.telemetry import read_rows
@@ -57,12 +58,13 @@ def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
     gate: dict[str, dict] = {}
     for r in trainer_rows:
         accumulate(gate, r.get("gate_by_worker") or {})
+    heartbeats = worker_heartbeats(store)
     out = {}
     for name, wrows in rows.items():
         wid = name.removeprefix("worker-")
         busy = sum(r.get("seconds", 0.0) for r in wrows)
         episodes = sum(r.get("episodes", 0) for r in wrows)
-        hb = _json(store, keys.worker_key(wid)) or {}
+        hb = heartbeats.get(wid, {})
         out[wid] = {
             "batches": len(wrows),
             "episodes": episodes,

@@ -42,6 +42,7 @@ from colonnade.protocol import (
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps
 from colonnade.protocol.signing import load_private, sign
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
+from colonnade.store.retry import backoff
 from colonnade.telemetry import Exporter, Telemetry
 
 from .engine import Engine
@@ -80,18 +81,6 @@ class Stop:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
-
-
-def _backoff(what: str, attempt: int, error: Exception) -> None:
-    delay = min(30.0, 0.5 * 2**attempt)
-    log.warning(
-        "store unavailable (%s, attempt %d): %s; retrying in %.1f s",
-        what,
-        attempt + 1,
-        error,
-        delay,
-    )
-    time.sleep(delay)
 
 
 def wait_for_run(store: ObjectStore, timeout: float, poll: float) -> RunSpec:
@@ -293,5 +282,5 @@ class Worker:
                     raise
                 self.pending["store_errors"] += 1
                 self.pending["store_retries"] += 1
-                _backoff("worker loop", attempt, e)
+                backoff(log, "worker loop", attempt, e)
                 attempt += 1

@@ -28,11 +28,13 @@ import torch
 from colonnade.envs import load_environment
 from colonnade.model import load_model, publishable_state, resolve_model
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
+from colonnade.protocol.presence import alive, worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
-from colonnade.store import NotFound, ObjectStore, StoreUnavailable, open_store
+from colonnade.store import NotFound, ObjectStore, open_store
+from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -137,23 +139,6 @@ def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
             f"another trainer ({hb.get('host')}, {hb.get('instance')}) wrote a heartbeat "
             f"{age:.0f} s ago under {store.url}; if it is dead, pass --takeover"
         )
-
-
-def retry_store(what: str, fn, deadline_s: float, sleep=time.sleep):
-    """fn() until it stops raising StoreUnavailable, backing off; gives up after deadline_s."""
-    t0, attempt = time.monotonic(), 0
-    while True:
-        try:
-            return fn()
-        except StoreUnavailable as e:
-            waited = time.monotonic() - t0
-            if waited > deadline_s:
-                raise StoreUnavailable(f"{what}: store unavailable for {waited:.0f} s: {e}") from e
-            delay = min(30.0, 0.5 * 2**attempt)
-            log.warning("store unavailable (%s, attempt %d): %s; retrying in %.1f s",
-                        what, attempt + 1, e, delay)  # fmt: skip
-            sleep(delay)
-            attempt += 1
 
 
 class Trainer:
@@ -287,14 +272,7 @@ class Trainer:
 
     def workers_alive(self) -> int:
         """Workers whose heartbeat is younger than heartbeat_timeout."""
-        now, alive = time.time(), 0
-        for key in self.store.list("workers/"):
-            try:
-                hb = loads(self.store.get(key, max_bytes=MAX_JSON_BYTES))
-            except (NotFound, ValueError):
-                continue
-            alive += now - float(hb.get("time", 0)) < self.cfg.heartbeat_timeout
-        return alive
+        return len(alive(worker_heartbeats(self.store), time.time(), self.cfg.heartbeat_timeout))
 
     def step(self) -> dict | None:
         """Train on one collection and publish the next version; its metrics.
@@ -306,10 +284,10 @@ class Trainer:
         """
         t0 = time.monotonic()
         deadline = self.cfg.store_outage_seconds
-        retry_store("keys", self._load_keys, deadline)
+        self._retry("keys", self._load_keys, deadline)
         v = self.publisher.version
         before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
-        got = retry_store(
+        got = self._retry(
             "collect",
             lambda: self.collector.collect(
                 v, self.cfg.groups_per_step, stop=lambda: self.stop_requested
@@ -319,7 +297,7 @@ class Trainer:
         if len(got.groups) < self.cfg.groups_per_step:
             return None
         metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
-        pub = retry_store("publish", lambda: self._commit(v + 1, got), deadline)
+        pub = self._retry("publish", lambda: self._commit(v + 1, got), deadline)
         rejected = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
         step_seconds = time.monotonic() - t0
         metrics.update(
@@ -333,18 +311,21 @@ class Trainer:
             full_bytes=pub.meta.full_bytes,
             kind=pub.meta.kind,
             rejected=rejected - before,
-            workers_alive=retry_store("workers", self.workers_alive, deadline),
+            workers_alive=self._retry("workers", self.workers_alive, deadline),
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in self.collector.counts.items()},
         )
         if self.quarantine.judge(v + 1, metrics["gate_by_worker"]):
             self.collector.quarantined = set(self.quarantine.decisions)
-            retry_store("quarantine", self._write_quarantine, deadline)
+            self._retry("quarantine", self._write_quarantine, deadline)
         self.telemetry.row(**metrics)
-        retry_store("heartbeat", lambda: self._heartbeat(v + 1), deadline)
+        self._retry("heartbeat", lambda: self._heartbeat(v + 1), deadline)
         if (v + 1) % self.cfg.checkpoint_every == 0:
-            retry_store("checkpoint", lambda: self._checkpoint(v + 1), deadline)
+            self._retry("checkpoint", lambda: self._checkpoint(v + 1), deadline)
         return metrics
+
+    def _retry(self, what: str, fn, deadline_s: float):
+        return retry_unavailable(log, what, fn, deadline_s)
 
     def _commit(self, new_v: int, got):
         """Ledger, then the version: safe to repeat after a failed attempt."""

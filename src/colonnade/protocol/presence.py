@@ -1,0 +1,24 @@
+"""Who is in the run: the workers' heartbeats (`workers/{id}.json`)."""
+
+from __future__ import annotations
+
+from colonnade.store import NotFound, ObjectStore
+
+from .schemas import MAX_JSON_BYTES, loads
+
+
+def worker_heartbeats(store: ObjectStore) -> dict[str, dict]:
+    """{worker id: heartbeat} of every worker that wrote one; unreadable ones skipped."""
+    out = {}
+    for key in store.list("workers/"):
+        try:
+            hb = loads(store.get(key, max_bytes=MAX_JSON_BYTES))
+        except (NotFound, ValueError):  # SchemaError is a ValueError
+            continue
+        out[str(hb.get("worker", key))] = hb
+    return out
+
+
+def alive(heartbeats: dict[str, dict], now: float, timeout: float) -> dict[str, dict]:
+    """The heartbeats younger than `timeout` seconds."""
+    return {w: hb for w, hb in heartbeats.items() if now - float(hb.get("time", 0)) < timeout}
