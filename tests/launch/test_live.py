@@ -17,8 +17,8 @@ def test_snapshot_and_render(tmp_path):
     for v in (1, 2):
         t.row(version=v, reward_mean=0.5, pass_rate=0.25, masked_fraction=0.01,
               wait_fraction=0.3, step_seconds=2.0)  # fmt: skip
-    Telemetry(store, "worker", "w1", 0).row(version=2, sync_bytes=2_500_000)
-    store.put(keys.worker_key("w1"), dumps({"worker": "w1", "version": 2, "time": time.time()}))
+    hb = {"worker": "w1", "version": 2, "time": time.time(), "bytes_synced": 2_500_000}
+    store.put(keys.worker_key("w1"), dumps(hb))
     store.put(keys.worker_key("old"), dumps({"worker": "old", "version": 0, "time": 0}))
     snap = snapshot(store, max_versions=10)
     assert snap.version == 2 and snap.eta_s == 16.0 and snap.synced_bytes == 2_500_000

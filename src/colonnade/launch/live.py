@@ -54,9 +54,9 @@ def snapshot(store: ObjectStore, max_versions: int) -> Snapshot:
         snap.version = int(rows[-1].get("version", 0))
         snap.step_seconds = [r.get("step_seconds", 0.0) for r in rows]
     snap.workers = worker_heartbeats(store)
-    snap.synced_bytes = sum(
-        r.get("sync_bytes", 0) for wrows in read_rows(store, "worker").values() for r in wrows
-    )
+    # From the heartbeats already read: the metric files grow with the run and
+    # would be re-read every second.
+    snap.synced_bytes = sum(int(hb.get("bytes_synced", 0)) for hb in snap.workers.values())
     return snap
 
 

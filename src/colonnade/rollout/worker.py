@@ -214,6 +214,7 @@ class Worker:
             "threads": torch.get_num_threads(),
             "version": self.follower.version,
             "batches": self.batches,
+            "bytes_synced": self.follower.bytes_read,  # weights downloaded by this process
             "time": time.time(),
             "started": self.started,
         }
