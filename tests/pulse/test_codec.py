@@ -176,3 +176,15 @@ def test_apply_leaves_base_untouched_and_shares_unchanged():
     out = apply(old, encode(old, new, precision="exact")[0])
     assert bits_equal(old, snapshot)
     assert out["b"] is old["b"]
+
+
+def test_scales_keep_16_bits_so_every_code_times_scale_is_exact():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=gen) * torch.logspace(-4, 1, 64)[:, None]
+    codes, scale = quantize_rows(w)
+    assert bool(((scale.view(torch.int32) & 0xFF) == 0).all())
+    assert bool((scale >= w.abs().amax(dim=1) / 127).all())  # rounded up, never clipped
+    assert bool((codes.abs().amax(dim=1) == 127).all())  # and still the full range
+    q = torch.arange(256, dtype=torch.float64)
+    exact = scale.double()[:, None] * q[None]
+    assert torch.equal((scale[:, None] * q.float()[None]).double(), exact)

@@ -13,19 +13,36 @@ import torch
 
 SCALE_SUFFIX = "::scale"
 QMAX = 127
+SCALE_BITS = 16  # significant bits kept in a row scale
+
+
+def round_scale_up(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales rounded up to SCALE_BITS significant bits.
+
+    With 16-bit scales every product scale × q (|q| ≤ 255, 8 bits) is exact
+    in float32. That makes the codes mean the same float on any engine:
+    torch's codes × scale, and MLX's affine layout scale × (code + 128) −
+    128 · scale, which MLX evaluates as two rounded operations (no fma).
+    Rounding up keeps |w / scale| ≤ 127; the cost is a relative change of
+    the scale below 2⁻¹⁵, far inside the int8 step.
+    """
+    drop = 24 - SCALE_BITS
+    bits = scale.contiguous().view(torch.int32)
+    return ((bits + ((1 << drop) - 1)) & ~((1 << drop) - 1)).view(torch.float32)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8, same shape) and per-row float32 scales of a 2-D weight.
 
-    scale = max|row| / 127 in float32, codes = round-half-even(w / scale).
-    Every step is a correctly rounded IEEE operation on float32, so any
+    scale = max|row| / 127 in float32 rounded up to 16 significant bits
+    (`round_scale_up`), codes = round-half-even(w / scale). Every step is a
+    correctly rounded IEEE operation or an integer one on float32 bits, so any
     machine computes the same codes from the same input bits.
     """
     if w.ndim != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_rows wants a 2-D float tensor, got {w.dtype} {tuple(w.shape)}")
     w32 = w.detach().to(device="cpu", dtype=torch.float32)
-    scale = w32.abs().amax(dim=1) / QMAX
+    scale = round_scale_up(w32.abs().amax(dim=1) / QMAX)
     # An all-zero row keeps scale 0 and codes 0; dividing by 1 avoids 0/0.
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round(w32 / safe[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
