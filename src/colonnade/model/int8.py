@@ -96,16 +96,16 @@ class Int8Linear(nn.Module):
         return dequantize_rows(self.codes, self.scale)
 
 
-def _lookup(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]) -> str:
+def lookup(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]) -> str:
     key = aliases.get(name, name)
     if key not in qstate:
         raise KeyError(f"int8 state has no tensor {key!r}")
     return key
 
 
-def _float_value(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]):
+def float_value(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]):
     """The model tensor `name` from an int8 state: dequantized if it has row scales."""
-    key = _lookup(qstate, name, aliases)
+    key = lookup(qstate, name, aliases)
     scale = qstate.get(key + SCALE_SUFFIX)
     return qstate[key] if scale is None else dequantize_rows(qstate[key], scale)
 
@@ -140,9 +140,9 @@ def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Map
     for name in model.state_dict():
         if name.rpartition(".")[0] in linear_names:
             continue
-        rest[name] = _float_value(qstate, name, aliases)
+        rest[name] = float_value(qstate, name, aliases)
     for name, mod in linears:
-        key = _lookup(qstate, f"{name}.weight", aliases)
+        key = lookup(qstate, f"{name}.weight", aliases)
         codes, scale = qstate[key], qstate[key + SCALE_SUFFIX]
         bias = qstate.get(f"{name}.bias")
         if isinstance(mod, Int8Linear):
@@ -160,6 +160,6 @@ def load_dequantized(
 ) -> nn.Module:
     """The same int8 weights, dequantized into a float model (CUDA, MPS)."""
     model.load_state_dict(
-        {name: _float_value(qstate, name, aliases) for name in model.state_dict()}
+        {name: float_value(qstate, name, aliases) for name in model.state_dict()}
     )
     return model

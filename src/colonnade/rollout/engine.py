@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -49,19 +50,20 @@ class _Row:
     turn: list[int] = field(default_factory=list)
 
 
-class _KV:
-    """The shared cache, which columns are real tokens, and each row's next position."""
+class Layout:
+    """Which cache columns are real tokens, and each row's next position.
+
+    Engine-neutral bookkeeping (torch tensors on `device`): a backend turns
+    the block it returns into its own arrays.
+    """
 
     def __init__(self, batch: int, device: torch.device):
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache()
         self.real = torch.zeros((batch, 0), dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.device = device
 
     def block(self, chunks: Sequence[Sequence[int]], pad_id: int):
-        """input ids, position ids and the 4-D attention mask for one step."""
+        """input ids [B, W], position ids [B, W] and the mask [B, 1, W, past + W]."""
         lens = torch.tensor([len(c) for c in chunks], device=self.device)
         batch, width = len(chunks), int(lens.max())
         ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -83,25 +85,73 @@ class _KV:
         self.real, self.pos = keys, self.pos + lens
         return ids.to(self.device), positions, allowed[:, None]
 
-    def keep(self, rows: list[int]) -> None:
+    def keep(self, rows: list[int]) -> torch.Tensor:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(index)
         self.real, self.pos = self.real[index], self.pos[index]
+        return index
+
+
+class Session(Protocol):
+    """One batch's pass through a backend: a KV cache that grows step by step."""
+
+    def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Next-token logits [B, V] after feeding each live row its chunk."""
+        ...
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows (indices into the live rows) go on."""
+        ...
+
+
+class _TorchSession:
+    def __init__(self, engine: Engine, batch: int):
+        from transformers import DynamicCache
+
+        self.engine, self.cache = engine, DynamicCache()
+        self.layout = Layout(batch, engine.device)
+
+    def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
+        out = self.engine.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **{self.engine.cache_arg: self.cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def keep(self, rows: list[int]) -> None:
+        self.cache.batch_select_indices(self.layout.keep(rows))
 
 
 class Engine:
-    """Runs a causal LM (float or int8) over batches of multi-turn episodes."""
+    """Runs a causal LM (float or int8) over batches of multi-turn episodes.
+
+    The episode loop (sampling, stops, turns, the environment) lives here;
+    the forward pass and its cache are a `Session` from `_session`, so the
+    MLX engine (`mlx_engine.MlxEngine`) differs from this one only there.
+    """
+
+    name = "torch"
 
     def __init__(self, model, tokenizer, version: int = 0):
+        self._bind(model, tokenizer, version)
+        self.device = next(model.parameters()).device
+        # transformers 5.x renamed `past_key_values` to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def _bind(self, model, tokenizer, version: int) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.version = version
-        self.device = next(model.parameters()).device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_ids = {tokenizer.eos_token_id} - {None}
-        # transformers 5.x renamed `past_key_values` to `cache`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def _session(self, batch: int) -> Session:
+        return _TorchSession(self, batch)
 
     @torch.inference_mode()
     def generate(
@@ -122,18 +172,9 @@ class Engine:
             _Row(Episode(list(p), self.version), r, list(p))
             for p, r in zip(prompts, responders, strict=True)
         ]
-        live, kv = list(rows), _KV(len(rows), self.device)
+        live, session = list(rows), self._session(len(rows))
         while live:
-            ids, positions, mask = kv.block([r.pending for r in live], self.pad_id)
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                **{self._cache_arg: kv.cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            tokens, logprobs = sample(out.logits[:, -1, :], params, gen)
+            tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
             going = [
                 i
                 for i, row in enumerate(live)
@@ -142,7 +183,7 @@ class Engine:
             if len(going) < len(live):
                 live = [live[i] for i in going]
                 if live:
-                    kv.keep(going)
+                    session.keep(going)
         return [r.episode for r in rows]
 
     def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:

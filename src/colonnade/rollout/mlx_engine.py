@@ -1,0 +1,55 @@
+"""The MLX rollout engine: the episode loop of `Engine` over an MLX forward pass.
+
+Sampling, stop strings, turns and the recorded behaviour log-probs are the
+torch engine's own code (`Engine.generate`, `sampling.sample` on the logits
+MLX returns), so both engines write the same episode records; only the
+forward pass and its KV cache (`_MlxSession`) are MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from colonnade.model.mlx_llama import MlxLlama
+
+from .engine import Engine, Layout
+
+
+class _MlxSession:
+    def __init__(self, engine: MlxEngine, batch: int):
+        import mlx.core as mx
+
+        self.mx, self.engine = mx, engine
+        self.layout = Layout(batch, torch.device("cpu"))
+        self.cache: list = [None] * engine.model.shape.layers
+
+    def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        mx = self.mx
+        ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
+        logits = self.engine.model(
+            mx.array(ids.numpy()), mx.array(positions.numpy()), mx.array(mask.numpy()), self.cache
+        )
+        # MLX is lazy: evaluating the cache with the logits keeps each step's
+        # graph from growing into the next one.
+        mx.eval(logits, *[a for kv in self.cache for a in kv])
+        return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    def keep(self, rows: list[int]) -> None:
+        index = self.mx.array(self.layout.keep(rows).numpy())
+        self.cache = [(k[index], v[index]) for k, v in self.cache]
+
+
+class MlxEngine(Engine):
+    """Runs an `MlxLlama` over batches of multi-turn episodes (sampling on CPU)."""
+
+    name = "mlx"
+
+    def __init__(self, model: MlxLlama, tokenizer, version: int = 0):
+        self._bind(model, tokenizer, version)
+        self.device = torch.device("cpu")  # where the sampled ids live
+
+    def _session(self, batch: int) -> _MlxSession:
+        return _MlxSession(self, batch)
