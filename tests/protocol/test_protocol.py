@@ -43,6 +43,13 @@ def test_batch_round_trip():
     assert got == _batch()
 
 
+def test_the_engine_field_travels_and_old_batches_read_as_torch():
+    got = decode_batch(encode_batch(_batch(engine="mlx")), vocab=100, max_tokens=16)
+    assert got.engine == "mlx" and got == _batch(engine="mlx")
+    old = decode_batch(_raw(lambda d: d.pop("engine")), vocab=100, max_tokens=16)
+    assert old.engine == "torch"
+
+
 def _raw(doc_edit):
     import json
 
@@ -63,6 +70,8 @@ def _raw(doc_edit):
         (lambda d: d.__setitem__("groups", []), "groups"),
         (lambda d: d.__setitem__("extra", 1), "fields"),
         (lambda d: d["groups"][0]["episodes"][0]["tokens"].__setitem__(0, True), "vocabulary"),
+        (lambda d: d.__setitem__("engine", "MLX; rm -rf"), "engine"),
+        (lambda d: d.__setitem__("engine", 7), "engine"),
     ],
 )
 def test_bad_batches_are_rejected_with_a_reason(edit, why):

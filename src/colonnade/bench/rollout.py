@@ -1,9 +1,11 @@
-"""Rollout throughput: our engine in fp32 and int8 against transformers' `generate`.
+"""Rollout throughput: our engines in fp32 and int8 against transformers' `generate`.
 
 Side by side in one run, per model and batch size: generated tokens/s of
-colonnade's engine with float32 weights, with the PULSE int8 weights
-(weight-only int8 kernel), and of `model.generate` (float32, sampling, KV cache) on the same
-prompt; and the process's peak RSS during each row. Every configuration is
+colonnade's torch engine with float32 weights, with the PULSE int8 weights
+(weight-only int8 kernel), of `model.generate` (float32, sampling, KV cache)
+on the same prompt, and, where MLX is installed, of the MLX engine in
+float32, bfloat16 and int8 (the same published codes in MLX's 8-bit
+layout); and the process's peak RSS during each row. Every configuration is
 warmed up once, then timed `--repeats` times; the median is reported.
 """
 
@@ -30,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="tiny model, batches 1,8, 16 tokens")
     p.add_argument("--json", action="store_true", help="print result rows as JSON on stdout")
+    p.add_argument("--no-mlx", action="store_true", help="leave out the MLX rows")
 
 
 def log(msg: str) -> None:
@@ -62,13 +65,17 @@ def _tiny_texts() -> list[str]:
     return load_environment("searchqa").tokenizer_texts()
 
 
-def load_pair(name: str):
-    """(fp32 engine, int8 engine) for a preset, on CPU."""
+def load_engines(name: str, mlx: bool) -> dict:
+    """{label: engine} for a preset on CPU: torch fp32 and int8, MLX ones if asked."""
     from colonnade.model import resolve_model
     from colonnade.rollout import load_engine
 
     path = resolve_model(name, _tiny_texts() if name == "tiny" else None)
-    return load_engine(path, "fp32", "cpu"), load_engine(path, "int8", "cpu")
+    engines = {"fp32": load_engine(path, "fp32", "cpu"), "int8": load_engine(path, "int8", "cpu")}
+    if mlx:
+        for precision in ("fp32", "bf16", "int8"):
+            engines[f"mlx_{precision}"] = load_engine(path, precision, engine="mlx")
+    return engines
 
 
 def _time(fn, repeats: int) -> tuple[float, float]:
@@ -84,10 +91,11 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(rates), peak
 
 
-def measure(fp32, int8, batch: int, tokens: int, repeats: int) -> dict:
-    """One row: `fp32` and `int8` are engines; `generate` runs fp32's model."""
+def measure(engines: dict, batch: int, tokens: int, repeats: int) -> dict:
+    """One row over `engines` (from `load_engines`); `generate` runs fp32's model."""
     from colonnade.rollout import SamplingParams
 
+    fp32 = engines["fp32"]
     tok = fp32.tokenizer
     prompt = tok.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=tokens, ignore_eos=True)
@@ -110,18 +118,19 @@ def measure(fp32, int8, batch: int, tokens: int, repeats: int) -> dict:
             )
         return (out.shape[1] - ids.shape[1]) * batch
 
-    fp32_rate, p1 = _time(lambda: ours(fp32), repeats)
-    int8_rate, p2 = _time(lambda: ours(int8), repeats)
-    hf_rate, p3 = _time(hf, repeats)
-    return {
-        "batch": batch,
-        "fp32_tok_s": round(fp32_rate, 1),
-        "int8_tok_s": round(int8_rate, 1),
-        "hf_generate_tok_s": round(hf_rate, 1),
-        "int8_over_fp32": round(int8_rate / fp32_rate, 2),
-        "ours_fp32_over_generate": round(fp32_rate / hf_rate, 2),
-        "peak_rss_mb": round(max(p1, p2, p3), 1),
-    }
+    rates, peaks = {}, []
+    for label, engine in engines.items():
+        rates[label], peak = _time(lambda e=engine: ours(e), repeats)
+        peaks.append(peak)
+    hf_rate, peak = _time(hf, repeats)
+    row = {"batch": batch, **{f"{k}_tok_s": round(r, 1) for k, r in rates.items()}}
+    row["hf_generate_tok_s"] = round(hf_rate, 1)
+    row["int8_over_fp32"] = round(rates["int8"] / rates["fp32"], 2)
+    row["ours_fp32_over_generate"] = round(rates["fp32"] / hf_rate, 2)
+    if "mlx_int8" in rates:
+        row["mlx_int8_over_torch_int8"] = round(rates["mlx_int8"] / rates["int8"], 2)
+    row["peak_rss_mb"] = round(max(*peaks, peak), 1)
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,19 +142,29 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: models must be among {MODELS}; batches, tokens, repeats >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    mlx = not args.no_mlx and _mlx_or_say()
     rows = []
     for name in models:
-        log(f"loading {name} (fp32 and int8)")
-        fp32, int8 = load_pair(name)
+        log(f"loading {name} (fp32 and int8{', and MLX' if mlx else ''})")
+        engines = load_engines(name, mlx)
         for b in batches:
             log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
-            rows.append({"model": name, **measure(fp32, int8, b, tokens, args.repeats)})
+            rows.append({"model": name, **measure(engines, b, tokens, args.repeats)})
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(markdown_table(rows))
+        print(markdown_table(rows, mlx))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
+
+
+def _mlx_or_say() -> bool:
+    from colonnade.model.mlx_llama import mlx_missing
+
+    reason = mlx_missing()
+    if reason:
+        log(f"no MLX rows: {reason}")
+    return reason is None
 
 
 COLUMNS = [
@@ -158,12 +177,19 @@ COLUMNS = [
     ("ours fp32/generate", "ours_fp32_over_generate"),
     ("peak RSS MB", "peak_rss_mb"),
 ]
+MLX_COLUMNS = [
+    ("mlx fp32 tok/s", "mlx_fp32_tok_s"),
+    ("mlx bf16 tok/s", "mlx_bf16_tok_s"),
+    ("mlx int8 tok/s", "mlx_int8_tok_s"),
+    ("mlx int8/torch int8", "mlx_int8_over_torch_int8"),
+]
 
 
-def markdown_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(h for h, _ in COLUMNS) + " |"
-    rule = "|" + "---|" * len(COLUMNS)
-    body = ["| " + " | ".join(str(r[k]) for _, k in COLUMNS) + " |" for r in rows]
+def markdown_table(rows: list[dict], mlx: bool = False) -> str:
+    columns = COLUMNS[:-1] + (MLX_COLUMNS if mlx else []) + COLUMNS[-1:]
+    head = "| " + " | ".join(h for h, _ in columns) + " |"
+    rule = "|" + "---|" * len(columns)
+    body = ["| " + " | ".join(str(r[k]) for _, k in columns) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 

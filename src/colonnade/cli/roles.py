@@ -69,7 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _common(w)
     w.add_argument("--id", help="worker name (default: host-pid)")
-    w.add_argument("--device", help="cpu | cuda | mps | auto (default cpu)")
+    w.add_argument("--device", help="cpu | cuda | mps | auto (default cpu; torch engine)")
+    w.add_argument(
+        "--engine",
+        choices=["auto", "torch", "mlx"],
+        help="rollout engine (default auto: MLX on Apple silicon when installed, else torch)",
+    )
     w.add_argument("--max-batches", type=int, help="stop after this many uploads")
     w.add_argument("--key", help="private key file from `colonnade keys new` (signs batches)")
     w.set_defaults(handler=_worker)
@@ -138,6 +143,7 @@ def _trainer(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import load_config
+    from colonnade.model.mlx_llama import MlxUnavailable
     from colonnade.rollout.worker import Worker, WorkerConfig
 
     from .main import CliError
@@ -145,13 +151,22 @@ def _worker(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     flags = {
         k: getattr(args, k)
-        for k in ("store", "endpoint_url", "id", "device", "max_batches", "metrics_port", "key")
+        for k in (
+            "store",
+            "endpoint_url",
+            "id",
+            "device",
+            "engine",
+            "max_batches",
+            "metrics_port",
+            "key",
+        )
     }
     try:
         cfg = load_config(WorkerConfig, args.config, **flags)
         _need_store(cfg)
         worker = Worker(cfg)
-    except ValueError as e:
+    except (ValueError, MlxUnavailable) as e:
         raise CliError(str(e)) from None
     try:
         return worker.run()

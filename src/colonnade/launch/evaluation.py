@@ -17,15 +17,21 @@ from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.engine import Engine
 from colonnade.rollout.evaluate import evaluate
+from colonnade.rollout.loader import resolve_engine
 from colonnade.rollout.worker import fetch_model
 from colonnade.store import ObjectStore
 
 
-def _version_model(store: ObjectStore, version: int, int8: bool):
+def _version_state(store: ObjectStore, version: int):
     spec = RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
     model, tok = fetch_model(store, spec)
     follower = Follower(store, spec.anchor_every)
     follower.sync(version)
+    return spec, model, tok, follower
+
+
+def _version_model(store: ObjectStore, version: int, int8: bool):
+    spec, model, tok, follower = _version_state(store, version)
     aliases = tied_aliases(model)
     if int8 and spec.precision == "int8":
         load_int8(model, follower.state, aliases)
@@ -34,7 +40,13 @@ def _version_model(store: ObjectStore, version: int, int8: bool):
     return model, tok
 
 
-def version_engine(store: ObjectStore, version: int) -> Engine:
+def version_engine(store: ObjectStore, version: int, engine: str = "torch") -> Engine:
+    """The published `version` on the engine a worker with `--engine engine` runs."""
+    if resolve_engine(engine) == "mlx":
+        from colonnade.rollout.mlx_engine import MlxEngine
+
+        spec, model, tok, follower = _version_state(store, version)
+        return MlxEngine.from_state(model, tok, follower.state, spec.precision, version)
     model, tok = _version_model(store, version, int8=True)
     return Engine(model, tok, version=version)
 
@@ -61,5 +73,5 @@ def run_eval(
     return figures
 
 
-def model_engine(path: str) -> Engine:
-    return load_engine(path, "int8", "cpu")
+def model_engine(path: str, engine: str = "torch") -> Engine:
+    return load_engine(path, "int8", "cpu", engine=engine)

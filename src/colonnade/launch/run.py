@@ -179,7 +179,14 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
     try:
         model_path = _warm(cfg, console)
         if cfg.eval_n:
-            _eval(cfg, trainer_cfg, store, "before", evaluation.model_engine(model_path), console)
+            _eval(
+                cfg,
+                trainer_cfg,
+                store,
+                "before",
+                evaluation.model_engine(model_path, _engine(cfg)),
+                console,
+            )
         children = _launch_children(cfg, model_path, store)
         _write_launch(store, facts, started)
         _watch(cfg, trainer_cfg.max_versions, store, children, console)
@@ -203,6 +210,11 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
     return report
 
 
+def _engine(cfg: RunConfig) -> str:
+    # Evaluations run on the workers' engine: the figure is the fleet's policy.
+    return str(cfg.worker.get("engine", "auto"))
+
+
 def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: Console) -> None:
     final = latest_version(store)
     if final is None:
@@ -210,7 +222,14 @@ def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: 
     evaluation.export_version(store, final, Path(cfg.out) / "final-model")
     console.print(f"final model (v{final}): {Path(cfg.out) / 'final-model'}")
     if cfg.eval_n:
-        _eval(cfg, trainer, store, "after", evaluation.version_engine(store, final), console)
+        _eval(
+            cfg,
+            trainer,
+            store,
+            "after",
+            evaluation.version_engine(store, final, _engine(cfg)),
+            console,
+        )
 
 
 def _quiet_transformers() -> None:

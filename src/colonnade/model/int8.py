@@ -159,7 +159,5 @@ def load_dequantized(
     model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
 ) -> nn.Module:
     """The same int8 weights, dequantized into a float model (CUDA, MPS)."""
-    model.load_state_dict(
-        {name: float_value(qstate, name, aliases) for name in model.state_dict()}
-    )
+    model.load_state_dict({name: float_value(qstate, name, aliases) for name in model.state_dict()})
     return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -158,6 +159,11 @@ class RolloutBatch:
     seq: int
     groups: list[GroupRecord] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)  # informational only
+    engine: str = "torch"  # which rollout engine made it (`torch`, `mlx`): the only trace of it
+
+
+ENGINE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
+BATCH_FIELDS = {"worker", "version", "seq", "groups", "stats"}
 
 
 def encode_batch(batch: RolloutBatch) -> bytes:
@@ -194,11 +200,19 @@ def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
     """A validated batch from untrusted bytes, or SchemaError."""
     _need(len(data) <= MAX_BATCH_BYTES, "batch too large")
     try:
+        # zstandard allocates the size a frame declares, whatever max_output_size
+        # says: a declared 2^61 bytes raised MemoryError (found by atheris), a
+        # declared few GB was a bomb. The limit binds frames that declare none.
+        declared = zstandard.frame_content_size(data)
+        _need(declared <= MAX_BATCH_BYTES, f"zstd frame declares {declared} bytes, over the limit")
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_BATCH_BYTES)
     except zstandard.ZstdError as e:
         raise SchemaError(f"not zstd: {e}") from None
     d = loads(raw, MAX_BATCH_BYTES)
-    _need(set(d) == {"worker", "version", "seq", "groups", "stats"}, "batch fields")
+    # `engine` is optional: batches from workers older than the field still parse.
+    _need(set(d) in (BATCH_FIELDS, BATCH_FIELDS | {"engine"}), "batch fields")
+    engine = d.get("engine", "torch")
+    _need(isinstance(engine, str) and ENGINE_NAME.fullmatch(engine) is not None, "engine name")
     try:
         check_worker_id(d["worker"])
     except (ValueError, TypeError):
@@ -220,4 +234,4 @@ def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
         out.append(
             GroupRecord(g["task_id"], [_episode(e, vocab, max_tokens) for e in g["episodes"]])
         )
-    return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]))
+    return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]), engine)

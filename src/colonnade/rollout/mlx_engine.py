@@ -51,5 +51,14 @@ class MlxEngine(Engine):
         self._bind(model, tokenizer, version)
         self.device = torch.device("cpu")  # where the sampled ids live
 
+    @classmethod
+    def from_state(cls, skeleton, tokenizer, state, precision: str, version: int = 0):
+        """An engine over `state` (int8 codes or float) named as `skeleton`'s tensors."""
+        from colonnade.model import tied_aliases
+
+        model = MlxLlama(skeleton, tied_aliases(skeleton), precision)
+        model.load(state)
+        return cls(model, tokenizer, version=version)
+
     def _session(self, batch: int) -> _MlxSession:
         return _MlxSession(self, batch)

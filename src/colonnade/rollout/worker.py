@@ -47,6 +47,7 @@ from colonnade.telemetry import Exporter, Telemetry
 
 from .engine import Engine
 from .episodes import run_episodes
+from .loader import resolve_engine
 from .sampling import SamplingParams
 
 log = logging.getLogger("colonnade.worker")
@@ -58,6 +59,7 @@ class WorkerConfig:
     endpoint_url: str | None = None
     id: str = ""  # default: host name and process id
     device: str = "cpu"
+    engine: str = "auto"  # auto | torch | mlx (auto: MLX on Apple silicon when installed)
     max_batches: int = 0  # 0: until the run is done
     poll_seconds: float = 1.0
     join_timeout: float = 600.0  # how long to wait for run.json
@@ -121,6 +123,7 @@ class Worker:
         self.id = keys.check_worker_id(
             cfg.id or key_worker or f"{socket.gethostname()}-{os.getpid()}"
         )
+        self.engine_kind = resolve_engine(cfg.engine)  # before joining: fail fast
         self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
         self.stop = Stop()
         self.seq = 0
@@ -142,6 +145,7 @@ class Worker:
         self.device = pick_device(self.cfg.device)
         self.model = model
         self.engine: Engine | None = None  # built once the first version's weights load
+        self.mlx_model = None
         s = dict(self.spec.sampling)
         s["stop"] = tuple(s.get("stop", ()))
         self.params = SamplingParams(**s)
@@ -151,12 +155,30 @@ class Worker:
 
     def _load_weights(self) -> None:
         state = self.follower.state
+        if self.engine_kind == "mlx":
+            self._load_mlx(state)
+            return
         if self.spec.precision == "int8" and self.device.type == "cpu":
             load_int8(self.model, state, self.aliases)
         else:
             load_dequantized(self.model, state, self.aliases)
         self.model.to(self.device)
         self.engine = Engine(self.model, self.tok, version=self.follower.version)
+
+    def _load_mlx(self, state) -> None:
+        from colonnade.model.mlx_llama import MlxLlama
+
+        from .mlx_engine import MlxEngine
+
+        if self.mlx_model is None:
+            self.mlx_model = MlxLlama(self.model, self.aliases, self.spec.precision)
+        self.mlx_model.load(state)  # after a patch, only the changed tensors
+        self.engine = MlxEngine(self.mlx_model, self.tok, version=self.follower.version)
+
+    def engine_label(self) -> str:
+        if self.engine_kind == "mlx":
+            return f"mlx-{self.spec.precision}"
+        return f"{self.spec.precision}-{'w8' if self.device.type == 'cpu' else 'float'}"
 
     def sync(self) -> float | None:
         """Seconds spent moving to the newest version, or None if already there."""
@@ -191,7 +213,8 @@ class Worker:
                 )
             )
         reward = sum(r.score.reward for r in results) / len(results)
-        return RolloutBatch(self.id, v, self.seq, groups, {"reward_claimed": reward})
+        stats = {"reward_claimed": reward}
+        return RolloutBatch(self.id, v, self.seq, groups, stats, engine=self.engine_kind)
 
     def upload(self, batch: RolloutBatch) -> str:
         while True:
@@ -210,7 +233,7 @@ class Worker:
             "host": socket.gethostname(),
             "platform": platform.platform(),
             "device": str(self.device),
-            "engine": f"{self.spec.precision}-{'w8' if self.device.type == 'cpu' else 'float'}",
+            "engine": self.engine_label(),
             "threads": torch.get_num_threads(),
             "version": self.follower.version,
             "batches": self.batches,

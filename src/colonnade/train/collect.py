@@ -112,6 +112,7 @@ class Collector:
             return self._reject(key, worker, e.reason, e)
         except (SchemaError, NotFound) as e:
             return self._reject(key, worker, "schema", e)
+        self.counts[f"batches_from_{batch.engine}"] += 1
         groups = []
         for g in batch.groups:
             try:

@@ -1,0 +1,69 @@
+"""A mixed fleet: one MLX worker and one torch worker feed one trainer.
+
+Processes over a LocalStore, smoke env. Both workers' batches are consumed;
+the only trace of the engine is the batch's `engine` field (counted by the
+trainer) and the heartbeat; the MLX worker follows PULSE patches like the
+torch one, and the gate masks almost nothing of either.
+"""
+
+import json
+import os
+
+import pytest
+
+from colonnade.protocol import keys, latest_version
+from colonnade.store import LocalStore
+from colonnade.telemetry import read_rows
+from e2e.test_trainer_workers import _spawn, _wait
+
+MAX_VERSIONS = 6
+
+
+@pytest.mark.timeout(300)
+def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
+    root = tmp_path / "run"
+    env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    trainer = _spawn(
+        ["trainer", "--store", str(root), "--preset", "smoke", "--max-versions", str(MAX_VERSIONS)],
+        tmp_path / "trainer.log",
+        env,
+    )
+    store = LocalStore(root)
+    workers = []
+    try:
+        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        for name, engine in (("mac", "mlx"), ("pc", "torch")):
+            workers.append(
+                _spawn(
+                    ["worker", "--store", str(root), "--id", name, "--engine", engine],
+                    tmp_path / f"{name}.log",
+                    env,
+                )
+            )
+            # One at a time: the torch worker alone would finish the smoke run
+            # before the MLX one has loaded.
+            heartbeat = keys.worker_key(name)
+            _wait(lambda k=heartbeat: store.exists(k), 120, f"{name}'s first batch", workers)
+        assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        for w in workers:
+            assert w.wait(timeout=60) == 0
+    finally:
+        for p in (trainer, *workers):
+            if p.poll() is None:
+                p.kill()
+    assert latest_version(store) == MAX_VERSIONS
+    consumed = [
+        keys.parse_rollout_key(k)[1]
+        for ledger in store.list("trainer/consumed/")
+        for k in json.loads(store.get(ledger))["keys"]
+    ]
+    assert {"mac", "pc"} <= set(consumed)
+    rows = read_rows(store, "trainer")["trainer-main"]
+    assert sum(r.get("batches_from_mlx", 0) for r in rows[-1:]) > 0
+    assert sum(r.get("batches_from_torch", 0) for r in rows[-1:]) > 0
+    assert max(r["masked_fraction"] for r in rows) < 0.05
+    mac = json.loads(store.get(keys.worker_key("mac")))
+    pc = json.loads(store.get(keys.worker_key("pc")))
+    assert mac["engine"] == "mlx-int8" and pc["engine"] == "int8-w8"
+    assert mac["version"] >= 1 and mac["batches"] >= 1
+    assert "now running v" in (tmp_path / "mac.log").read_text()
