@@ -43,6 +43,16 @@ def _decode(data: bytes):
         return None
 
 
+@pytest.mark.parametrize("declared", [1 << 61, (64 << 20) + 1, 4 << 30])
+def test_a_frame_declaring_a_huge_size_is_refused_before_decompressing(declared):
+    # zstandard allocates the size a frame declares, whatever max_output_size
+    # says: 2^61 raised MemoryError (found by atheris, tests/faults/test_atheris.py),
+    # 4 GiB was a bomb of a 16-byte batch.
+    frame = b"\x28\xb5\x2f\xfd\xe0" + declared.to_bytes(8, "little") + b"\x01\x00\x00"
+    with pytest.raises(SchemaError, match="declares"):
+        decode_batch(frame, VOCAB, 32)
+
+
 @FAST
 @given(st.binary(max_size=2048))
 def test_random_bytes(data):

@@ -142,3 +142,19 @@ def test_lying_header_fields_rejected():
         with pytest.raises(PatchError):
             apply(BASE, _reseal(hb, PAYLOAD))
     assert h  # the original header parsed
+
+
+@pytest.mark.parametrize("elements", [1 << 36, 1 << 44])
+def test_a_full_tensor_too_large_to_allocate_is_a_patch_error(elements):
+    import json
+
+    # A zstd frame of a few bytes declaring the size of a huge full tensor:
+    # zstandard allocates the declared size first, which raised MemoryError.
+    frame = b"\x28\xb5\x2f\xfd\xe0" + (2 * elements).to_bytes(8, "little") + b"\x01\x00\x00"
+    h = json.loads(zstandard.ZstdDecompressor().decompress(HEADER_BYTES))
+    h["tensors"] = [{"name": "big", "op": "full", "dtype": "BF16", "shape": [elements],
+                     "zstd": True, "blocks": [len(frame)]}]  # fmt: skip
+    h["payload_bytes"] = len(frame)
+    hb = zstandard.ZstdCompressor().compress(json.dumps(h).encode())
+    with pytest.raises(PatchError, match="declares"):
+        apply(BASE, _reseal(hb, frame))

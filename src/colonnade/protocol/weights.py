@@ -21,7 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from colonnade import pulse
-from colonnade.store import NotFound, ObjectStore
+from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
 from .schemas import MAX_JSON_BYTES, SchemaError, VersionMeta, dumps, loads
@@ -118,7 +118,13 @@ def latest_version(store: ObjectStore) -> int | None:
 
 
 def _payload(store: ObjectStore, key: str, meta: VersionMeta) -> bytes:
-    data = store.get(key, max_bytes=meta.payload_bytes)
+    try:
+        data = store.get(key, max_bytes=meta.payload_bytes)
+    except ObjectTooLarge:
+        # Longer than meta.json says is damage, like a hash mismatch: as a
+        # StoreError it skipped the anchor fallback, and the worker retried it
+        # as an outage without end.
+        raise VersionError(f"{key}: payload is larger than meta.json says") from None
     if _sha(data) != meta.payload_sha256:
         raise VersionError(f"{key}: payload hash differs from meta.json")
     return data

@@ -210,6 +210,11 @@ def _decompress(block: bytes, expected: int | None) -> bytes:
         return zstandard.ZstdDecompressor().decompress(block, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd: {e}") from None
+    except MemoryError:
+        # zstandard allocates what the frame declares up front; a full tensor's
+        # limit is its declared shape (up to 2^48 elements), so a frame of a few
+        # bytes could make it raise MemoryError instead of a PatchError.
+        raise ValueError(f"zstd frame declares {declared} bytes, too many to allocate") from None
 
 
 decompress = _decompress

@@ -1,0 +1,117 @@
+"""A slow worker beside a fast one: its stale batches are dropped, the fast one sets the pace.
+
+Trainer, a fast worker and a slow one (each batch lands DELAY s after it was
+made, see slow_worker.py) run as processes over a local store (smoke preset,
+max_lag 1). A smoke version takes well under DELAY, so the slow worker's
+batches mostly land after their version left the window. By the rule: no
+consumed batch is more than max_lag behind the version it trained, the slow
+worker's stale batches are never trained on, and the trainer keeps the fast
+worker's pace instead of waiting for the slow one.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colonnade.protocol import keys, latest_version
+from colonnade.store import LocalStore
+from colonnade.telemetry import read_rows
+
+HERE = Path(__file__).parent
+VERSIONS, MAX_LAG, DELAY = 40, 1, 2.0
+
+
+def _start(tmp_path: Path, root: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "colonnade.cli.main"]
+    cmds = {
+        "trainer": [*cli, "trainer", "--store", str(root), "--preset", "smoke",
+                    "--max-versions", str(VERSIONS), "--max-lag", str(MAX_LAG)],
+        "fast": [*cli, "worker", "--store", str(root), "--id", "fast"],
+        "slow": [sys.executable, str(HERE / "slow_worker.py"), "--store", str(root),
+                 "--id", "slow", "--delay", str(DELAY)],
+    }  # fmt: skip
+    return [
+        subprocess.Popen(cmd, env=env, stdout=(tmp_path / f"{name}.log").open("w"),
+                         stderr=subprocess.STDOUT)
+        for name, cmd in cmds.items()
+    ]  # fmt: skip
+
+
+def _consumed(store) -> dict[str, int]:
+    """Rollout key -> the version its step published (ledger file names)."""
+    out = {}
+    for ledger in store.list("trainer/consumed/"):
+        trained = int(ledger.split("/")[-1].split("-")[0])
+        for key in json.loads(store.get(ledger))["keys"]:
+            assert key not in out, f"{key} consumed twice"
+            out[key] = trained
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_slow_worker_does_not_hold_back_a_fast_one(tmp_path):
+    root = tmp_path / "run"
+    procs = _start(tmp_path, root)
+    try:
+        assert procs[0].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        for p, name in zip(procs[1:], ("fast", "slow"), strict=True):
+            # Both see done.json after the batch in flight (the slow one's: DELAY s).
+            assert p.wait(timeout=DELAY + 30) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    store = LocalStore(root)
+    assert latest_version(store) == VERSIONS
+    consumed = _consumed(store)
+    # The rule: a step for v (publishing v + 1) takes batches of v - max_lag .. v only.
+    for key, trained in consumed.items():
+        assert trained - 1 - keys.parse_rollout_key(key)[0] <= MAX_LAG, key
+    uploaded = {w: [k for k in store.list("rollouts/") if f"/{w}/" in k] for w in ("fast", "slow")}
+    taken = {w: [k for k in ks if k in consumed] for w, ks in uploaded.items()}
+    # Stale: never taken, and made with a version the last step could not use.
+    stale = [
+        k
+        for k in uploaded["slow"]
+        if k not in consumed and keys.parse_rollout_key(k)[0] < VERSIONS - 1 - MAX_LAG
+    ]
+    assert stale, uploaded["slow"]
+    # The slow worker's own metrics say how far behind each batch landed.
+    skews = [r["version_skew"] for r in read_rows(store, "worker")["worker-slow"]]
+    assert max(skews) > MAX_LAG
+    _check_pace(store, taken)
+    _report(store, consumed, uploaded, taken, stale, skews)
+
+
+def _check_pace(store, taken) -> None:
+    """The trainer went at the fast worker's pace, not the slow one's."""
+    assert len(taken["fast"]) >= 10 * max(1, len(taken["slow"])), taken["slow"]
+    rows = read_rows(store, "trainer")["trainer-main"]
+    assert [r["version"] for r in rows] == list(range(1, VERSIONS + 1))
+    # A version in less than one slow batch's delay: the step never waited on it.
+    assert statistics.median(r["step_seconds"] for r in rows) < DELAY / 2
+
+
+def _report(store, consumed, uploaded, taken, stale, skews) -> None:
+    rows = read_rows(store, "trainer")["trainer-main"]
+    counted = rows[-1].get("batches_dropped_stale", 0)
+    # Every unconsumed batch of a swept version could be counted; none more.
+    below = [k for k in store.list("rollouts/") if k not in consumed
+             and keys.parse_rollout_key(k)[0] < VERSIONS - 1 - MAX_LAG]  # fmt: skip
+    assert counted <= len(below)
+    figures = {
+        "uploaded": {w: len(ks) for w, ks in uploaded.items()},
+        "taken": {w: len(ks) for w, ks in taken.items()},
+        "slow_stale": len(stale),
+        "slow_max_skew": max(skews),
+        "trainer_dropped_stale_counter": counted,
+        "unconsumed_below_window": len(below),
+        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows),
+    }
+    print(json.dumps(figures))
