@@ -130,7 +130,7 @@ def _check_fallback(store, metas, v: int, what: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "meta"])
 def test_a_worker_gives_up_on_an_anchor_that_never_verifies(tmp_path, monkeypatch, damage):
     import colonnade.rollout.worker as worker_mod
     from colonnade.rollout.worker import Worker, WorkerConfig
@@ -143,8 +143,12 @@ def test_a_worker_gives_up_on_an_anchor_that_never_verifies(tmp_path, monkeypatc
     data = bytearray(store.get(key))
     if damage == "flip":
         data[len(data) // 2] ^= 0x10
-    store.put(key, {"flip": bytes(data), "truncate": data[:-7], "extend": data + b"x"}[damage])
-    assert read_meta(store, 0).kind == "full"
+    if damage == "meta":  # the anchor's meta.json itself, cut short
+        store.put(keys.meta_key(0), store.get(keys.meta_key(0))[:-9])
+    else:
+        bad = {"flip": bytes(data), "truncate": data[:-7], "extend": data + b"x"}[damage]
+        store.put(key, bad)
+        assert read_meta(store, 0).kind == "full"
 
     delays = []
 

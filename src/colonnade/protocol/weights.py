@@ -148,7 +148,12 @@ class Follower:
         self.bytes_read = 0
 
     def _meta(self, v: int) -> VersionMeta:
-        meta = read_meta(self.store, v)
+        try:
+            meta = read_meta(self.store, v)
+        except SchemaError as e:
+            # Damage, like a bad payload: the worker's bounded retries apply,
+            # where a SchemaError would have ended it at once.
+            raise VersionError(f"version {v}: meta.json is damaged ({e})") from None
         if meta is None:
             raise VersionError(f"version {v} has no meta.json")
         return meta
