@@ -18,11 +18,9 @@ signed envelope. CORPUS_DIR is seeded with valid inputs of every mode.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import sys
-import zlib
 from pathlib import Path
 
 import atheris
@@ -83,14 +81,7 @@ def _parts(patch: bytes) -> tuple[bytes, bytes]:
 
 def reseal(text: bytes, payload: bytes) -> bytes:
     """A patch with valid framing and checksums around any header text and payload."""
-    head = zstandard.ZstdCompressor().compress(text)
-    body = (
-        struct.pack("<8sHHI", fmt.MAGIC, fmt.FORMAT_VERSION, 0, len(head))
-        + head
-        + struct.pack("<I", zlib.crc32(head))
-        + payload
-    )
-    return body + hashlib.sha256(body).digest()
+    return fmt.seal(zstandard.ZstdCompressor().compress(text), payload)
 
 
 def _poke(payload: bytes, rest: bytes) -> bytes:

@@ -58,10 +58,17 @@ def pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     # Compressed: tensor names repeat their prefixes, and on a lightly changed
     # model the header is a visible share of the patch.
-    head = zstandard.ZstdCompressor(level=9).compress(text)
-    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, _CRC.pack(zlib.crc32(head))]
-    parts.extend(blocks)
-    body = b"".join(parts)
+    return seal(zstandard.ZstdCompressor(level=9).compress(text), b"".join(blocks))
+
+
+def seal(head: bytes, payload: bytes) -> bytes:
+    """The framing around a compressed header and a payload: prefix, CRC, SHA-256.
+
+    Public for the corruption tests and fuzzers, which reseal damaged
+    contents to get past the checksums as a lying sender would.
+    """
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head))
+    body = b"".join([prefix, head, _CRC.pack(zlib.crc32(head)), payload])
     return body + hashlib.sha256(body).digest()
 
 
