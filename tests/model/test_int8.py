@@ -81,3 +81,29 @@ def test_loading_a_newer_state_replaces_codes_in_place(tiny_dir, tiny):
     load_int8(model, newer, aliases)
     assert model.model.layers[0].mlp.up_proj is layer  # same module, new codes
     assert torch.equal(layer.codes, newer[key])
+
+
+def test_the_large_batch_path_agrees_and_follows_new_codes(monkeypatch):
+    # From BF16_GEMM_ROWS rows a bf16 GEMM over the codes replaces the int8
+    # kernel (where the CPU has native bf16; forced here so the path runs on
+    # any CPU). A worker builds it under inference_mode and loads the next
+    # version outside it: that once raised on the in-place update.
+    import colonnade.model.int8 as int8_mod
+
+    monkeypatch.setattr(int8_mod, "bf16_gemm_fast", lambda: True)
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    scale = torch.rand(40) * 0.01
+    layer = Int8Linear(codes, scale, None)
+    small, large = torch.randn(2, 64), torch.randn(int8_mod.BF16_GEMM_ROWS, 64)
+    with torch.inference_mode():
+        both = layer(torch.cat([small, large]))  # the large path
+        alone = layer(small)  # the int8 kernel
+    assert layer.codes_bf16 is not None
+    assert (both[:2] - alone).abs().max() < 1e-2 * alone.abs().max()
+    newer = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    layer.load(newer, scale, None)
+    with torch.inference_mode():
+        got = layer(large)
+    want = large @ dequantize_rows(newer, scale).t()
+    assert (got - want).abs().max() < 0.01 * want.abs().max()

@@ -98,8 +98,9 @@ class Int8Linear(nn.Module):
         """A newer version's codes, in place (same shapes)."""
         self.codes.copy_(codes)
         self.scale.copy_(scale)
-        if self.codes_bf16 is not None:
-            self.codes_bf16.copy_(codes)
+        # Rebuilt at the next large call: made under inference_mode, the old
+        # copy cannot be written in place out of it.
+        self.codes_bf16 = None
         if bias is not None and self.bias is not None:
             self.bias.data.copy_(bias)
 
