@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from colonnade.protocol import keys, latest_version
+from colonnade.report import build_report
 from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
 
@@ -105,6 +106,11 @@ def _report(store, consumed, uploaded, taken, stale, skews) -> None:
     below = [k for k in store.list("rollouts/") if k not in consumed
              and keys.parse_rollout_key(k)[0] < VERSIONS - 1 - MAX_LAG]  # fmt: skip
     assert counted <= len(below)
+    # The report counts them all from the store: stale, late, or left at the end.
+    report = build_report(store)
+    assert report["rollouts_uploaded"] == sum(len(ks) for ks in uploaded.values())
+    assert report["rollouts_unused"] == report["rollouts_uploaded"] - len(consumed)
+    assert report["rollouts_unused"] >= len(below) >= counted
     figures = {
         "uploaded": {w: len(ks) for w, ks in uploaded.items()},
         "taken": {w: len(ks) for w, ks in taken.items()},

@@ -135,7 +135,11 @@ def build_report(store: ObjectStore) -> dict:
         "workers": _workers(store, rows),
         "eval": {w: _json(store, k) for w, k in keys.EVAL.items()},
         "versions_published": versions[-1]["version"] if versions else None,
-        "rollouts_consumed": _ledger_batches(store),
+        "rollouts_consumed": (consumed := _ledger_batches(store)),
+        # Counted from the store itself: the trainer's stale counter misses
+        # batches that land after their version left the window.
+        "rollouts_uploaded": (uploaded := len(store.list("rollouts/"))),
+        "rollouts_unused": max(0, uploaded - consumed - int(last.get("batches_rejected", 0))),
         "episodes_consumed": sum(r.get("episodes", 0) for r in rows),
         "rollouts_dropped_stale": int(last.get("batches_dropped_stale", 0)),
         "rollouts_rejected": int(last.get("batches_rejected", 0)),
