@@ -107,3 +107,6 @@ def test_the_large_batch_path_agrees_and_follows_new_codes(monkeypatch):
         got = layer(large)
     want = large @ dequantize_rows(newer, scale).t()
     assert (got - want).abs().max() < 0.01 * want.abs().max()
+    # Outside inference_mode, with autograd tracking, the same copy serves.
+    tracked = layer(large.clone().requires_grad_())
+    assert tracked.requires_grad and torch.allclose(tracked.detach(), got)

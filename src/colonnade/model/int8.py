@@ -98,9 +98,7 @@ class Int8Linear(nn.Module):
         """A newer version's codes, in place (same shapes)."""
         self.codes.copy_(codes)
         self.scale.copy_(scale)
-        # Rebuilt at the next large call: made under inference_mode, the old
-        # copy cannot be written in place out of it.
-        self.codes_bf16 = None
+        self.codes_bf16 = None  # rebuilt from the new codes at the next large call
         if bias is not None and self.bias is not None:
             self.bias.data.copy_(bias)
 
@@ -108,7 +106,11 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.fast and flat.shape[0] >= BF16_GEMM_ROWS and bf16_gemm_fast():
             if self.codes_bf16 is None:
-                self.codes_bf16 = self.codes.to(torch.bfloat16)
+                # A normal tensor even when the first large call runs under
+                # inference_mode: an inference tensor would poison later
+                # calls that autograd tracks (a teacher-forced pass).
+                with torch.inference_mode(False):
+                    self.codes_bf16 = self.codes.to(torch.bfloat16)
             y = (flat.to(torch.bfloat16) @ self.codes_bf16.t()).float() * self.scale
         elif self.fast:
             y = torch._weight_int8pack_mm(
