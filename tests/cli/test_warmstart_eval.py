@@ -20,3 +20,13 @@ def test_warmstart_teaches_the_format_and_is_cached(tmp_path, monkeypatch, capsy
     assert set(figures["greedy"]) >= {"pass_at_1", "format_ok", "n"}
     # Another config may not overwrite this directory.
     assert main([*args[:-2], "--out", str(out), "--good-fraction", "0.9"]) == 2
+    # The same model on the MLX engine: the same published int8 codes, greedy
+    # figures within a few tasks of torch's (they differ only in rounding).
+    mlx = ["eval", "--model", str(out), "--env", "smoke", "-n", "60", "--json", "--engine", "mlx"]
+    from colonnade.model.mlx_llama import mlx_missing
+
+    if mlx_missing() is None:
+        assert main(mlx) == 0
+        on_mlx = json.loads(capsys.readouterr().out)
+        assert on_mlx["n"] == 60 and on_mlx["format_ok"] >= 0.9
+        assert abs(on_mlx["greedy"]["pass_at_1"] - figures["greedy"]["pass_at_1"]) <= 0.1

@@ -21,7 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--split", default="test", choices=["train", "test"])
     e.add_argument("-n", type=int, default=500, help="tasks to run (first n of the split)")
     e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
-    e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto")
+    e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (torch engine)")
+    e.add_argument(
+        "--engine", default="torch", choices=["auto", "torch", "mlx"], help="rollout engine"
+    )
     e.add_argument("--temperature", type=float, default=1.0, help="of the sampled pass")
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--seed", type=int, default=0)
@@ -75,6 +78,7 @@ def run_eval(
     batch_size: int,
     seed: int,
     greedy: bool,
+    engine: str = "torch",
 ) -> dict:
     from colonnade.envs import load_environment
     from colonnade.model import resolve_model
@@ -85,7 +89,8 @@ def run_eval(
     tasks = list(env.tasks(split))[:n]
     if not tasks:
         raise ValueError(f"split {split!r} of {env_name} has no tasks")
-    engine = load_engine(resolve_model(model, env.tokenizer_texts()), precision, device)
+    path = resolve_model(model, env.tokenizer_texts())
+    runner = load_engine(path, precision, device, engine=engine)
     passes = [("sampled", temperature)] + ([("greedy", 0.0)] if greedy else [])
     bar, task = _progress("eval", len(tasks) * len(passes))
     out: dict = {}
@@ -93,7 +98,7 @@ def run_eval(
         for i, (name, temp) in enumerate(passes):
             done = i * len(tasks)
             figures = evaluate(
-                engine,
+                runner,
                 env,
                 tasks,
                 SamplingParams(temperature=temp),
@@ -112,6 +117,8 @@ def run_eval(
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from colonnade.model.mlx_llama import MlxUnavailable
+
     from .main import CliError
 
     if args.n < 1 or args.batch_size < 1:
@@ -128,8 +135,9 @@ def _eval(args: argparse.Namespace) -> int:
             args.batch_size,
             args.seed,
             not args.no_greedy,
+            args.engine,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MlxUnavailable) as e:
         raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(out))
