@@ -61,3 +61,16 @@ def test_bad_params_are_refused():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError):
         SamplingParams(max_turn_tokens=0)
+
+
+def test_draws_follow_the_filtered_distribution_and_never_a_filtered_token():
+    # 40,000 draws from one row: each frequency within 5 standard errors of
+    # its probability; top-k's dropped tokens are never drawn.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, -5.0]]).expand(40_000, 6).contiguous()
+    params = SamplingParams(temperature=1.0, top_k=4)
+    tokens, _ = sample(logits, params, torch.Generator().manual_seed(3))
+    freq = torch.bincount(tokens, minlength=6).double() / len(tokens)
+    p = filtered_logprobs(logits[:1], params)[0].exp().double()
+    assert freq[p == 0].sum() == 0
+    se = (p * (1 - p) / len(tokens)).sqrt()
+    assert bool(((freq - p).abs() <= 5 * se + 1e-12).all()), (freq, p)

@@ -56,8 +56,20 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B], their log-probs [B]) for next-token logits [B, V]."""
     logp = filtered_logprobs(logits.detach().to("cpu"), params)
-    if params.temperature == 0:
-        tokens = logp.argmax(dim=-1)
-    else:
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    greedy = params.temperature == 0
+    tokens = logp.argmax(dim=-1) if greedy else inverse_cdf(logp.exp(), generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of `probs` [B, V]: the first token whose running sum passes u.
+
+    One uniform per row instead of `torch.multinomial`'s one exponential per
+    vocabulary entry: on a 49k vocabulary at batch 32 that was ~40 ms of every
+    step. Sums in float64, so the drawn frequencies match the probabilities the
+    recorded log-prob names; `right=True` never lands on a zero-probability
+    (filtered) token, even for u = 0.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
