@@ -61,9 +61,18 @@ class Layout:
         self.real = torch.zeros((batch, 0), dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.device = device
+        self.padded = False  # has any pad column entered the cache?
 
     def block(self, chunks: Sequence[Sequence[int]], pad_id: int):
-        """input ids [B, W], position ids [B, W] and the mask [B, 1, W, past + W]."""
+        """input ids [B, W], position ids [B, W] and the mask [B, 1, W, past + W].
+
+        The mask is None while no row has ever been padded: then it is plain
+        causal attention over the cache, which the backends do on their own
+        fast path (a batch of equal prompts, or a single episode, never pads).
+        """
+        if not self.padded and len({len(c) for c in chunks}) == 1:
+            return self._dense(chunks)
+        self.padded = True
         lens = torch.tensor([len(c) for c in chunks], device=self.device)
         batch, width = len(chunks), int(lens.max())
         ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -84,6 +93,14 @@ class Layout:
         allowed[:, diag, past + diag] = True
         self.real, self.pos = keys, self.pos + lens
         return ids.to(self.device), positions, allowed[:, None]
+
+    def _dense(self, chunks: Sequence[Sequence[int]]):
+        width = len(chunks[0])
+        ids = torch.tensor(chunks, dtype=torch.long, device=self.device)
+        positions = self.pos[:, None] + torch.arange(width, device=self.device)[None, :]
+        ones = torch.ones((len(chunks), width), dtype=torch.bool, device=self.device)
+        self.real, self.pos = torch.cat([self.real, ones], dim=1), self.pos + width
+        return ids, positions, None
 
     def keep(self, rows: list[int]) -> torch.Tensor:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)

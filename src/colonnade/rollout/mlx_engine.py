@@ -29,8 +29,12 @@ class _MlxSession:
     def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         mx = self.mx
         ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
+        if mask is not None:
+            mask = mx.array(mask.numpy())
+        elif ids.shape[1] > 1:  # no padding: causal, last query aligned with the last key
+            mask = "causal"
         logits = self.engine.model(
-            mx.array(ids.numpy()), mx.array(positions.numpy()), mx.array(mask.numpy()), self.cache
+            mx.array(ids.numpy()), mx.array(positions.numpy()), mask, self.cache
         )
         # MLX is lazy: evaluating the cache with the logits keeps each step's
         # graph from growing into the next one.
