@@ -27,6 +27,8 @@ from typing import Any
 
 import zstandard
 
+from colonnade import untrusted
+
 from .errors import PatchError
 from .tensors import DTYPES
 
@@ -110,11 +112,8 @@ def unpack(data: bytes | memoryview) -> Container:
 
 def _parse_header(head: bytes) -> dict[str, Any]:
     try:
-        declared = zstandard.frame_content_size(head)
-        if declared < 0 or declared > MAX_HEADER_BYTES:
-            raise PatchError("corrupt patch: header size missing or over the limit")
-        text = zstandard.ZstdDecompressor().decompress(head, max_output_size=MAX_HEADER_BYTES)
-    except zstandard.ZstdError as e:
+        text = untrusted.decompress(head, MAX_HEADER_BYTES, require_size=True)
+    except ValueError as e:
         raise PatchError(f"corrupt patch: header does not decompress ({e})") from None
     try:
         header = json.loads(text)
