@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -164,7 +163,9 @@ class RolloutBatch:
     engine: str = "torch"  # which rollout engine made it (`torch`, `mlx`): the only trace of it
 
 
-ENGINE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
+# Known names only: the trainer counts batches per engine, and a free-form
+# name from a worker would grow that count table without bound.
+ENGINES = ("torch", "mlx")
 BATCH_FIELDS = {"worker", "version", "seq", "groups", "stats"}
 
 
@@ -209,7 +210,7 @@ def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
     # `engine` is optional: batches from workers older than the field still parse.
     _need(set(d) in (BATCH_FIELDS, BATCH_FIELDS | {"engine"}), "batch fields")
     engine = d.get("engine", "torch")
-    _need(isinstance(engine, str) and ENGINE_NAME.fullmatch(engine) is not None, "engine name")
+    _need(isinstance(engine, str) and engine in ENGINES, f"engine name: one of {ENGINES}")
     try:
         check_worker_id(d["worker"])
     except (ValueError, TypeError):

@@ -214,7 +214,7 @@ class Worker:
             )
         reward = sum(r.score.reward for r in results) / len(results)
         stats = {"reward_claimed": reward}
-        return RolloutBatch(self.id, v, self.seq, groups, stats, engine=self.engine_kind)
+        return RolloutBatch(self.id, v, self.seq, groups, stats, engine=self.engine.name)
 
     def upload(self, batch: RolloutBatch) -> str:
         while True:
