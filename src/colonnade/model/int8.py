@@ -154,6 +154,17 @@ def _copy_into(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
             target.copy_(value)
 
 
+def split_linears(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the linear modules, names of every other tensor in the state).
+
+    Linears run the int8 codes (torch's Int8Linear, MLX's 8-bit layout); the
+    rest (embeddings, norms) run dequantized.
+    """
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | Int8Linear)]
+    linear_set = set(linear)
+    return linear, [n for n in model.state_dict() if n.rpartition(".")[0] not in linear_set]
+
+
 def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Mapping[str, str]):
     """Run `qstate` (codes + scales) in `model` on CPU: linears become int8.
 
@@ -161,18 +172,10 @@ def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Map
     call: a swapped model no longer shows its ties). Calling again with a
     newer state replaces the weights in place of the previous ones.
     """
-    linears = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear | Int8Linear)
-    ]
-    linear_names = {name for name, _ in linears}
-    rest = {}
-    for name in model.state_dict():
-        if name.rpartition(".")[0] in linear_names:
-            continue
-        rest[name] = float_value(qstate, name, aliases)
-    for name, mod in linears:
+    linear_names, other_names = split_linears(model)
+    rest = {name: float_value(qstate, name, aliases) for name in other_names}
+    for name in linear_names:
+        mod = model.get_submodule(name)
         key = lookup(qstate, f"{name}.weight", aliases)
         codes, scale = qstate[key], qstate[key + SCALE_SUFFIX]
         bias = qstate.get(f"{name}.bias")

@@ -18,6 +18,7 @@ the torch engine multiplies by.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 
 from colonnade.pulse.quant import SCALE_SUFFIX
 
-from .int8 import float_value, lookup
+from .int8 import float_value, lookup, split_linears
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 GROUP_SIZES = (128, 64, 32)
@@ -50,6 +51,7 @@ def mlx_missing() -> str | None:
     return None
 
 
+@functools.cache  # called on every layer of every step: import and check once
 def _mx():
     reason = mlx_missing()
     if reason:
@@ -162,13 +164,7 @@ class MlxLlama:
         rotary = skeleton.model.rotary_emb
         self.inv_freq = mx.array(rotary.inv_freq.float().numpy())
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self.linear_names = [
-            n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-        ]
-        linear_set = set(self.linear_names)
-        self.tensor_names = [
-            n for n in skeleton.state_dict() if n.rpartition(".")[0] not in linear_set
-        ]
+        self.linear_names, self.tensor_names = split_linears(skeleton)
         self.linears: dict[str, QLinear | Dense] = {}
         self.tensors: dict = {}
         # name -> the torch tensors it was built from, held so that `is` is a
