@@ -126,6 +126,10 @@ def build_report(store: ObjectStore) -> dict:
     last = rows[-1] if rows else {}
     t0 = launch.get("started") or (rows[0]["time"] - rows[0].get("step_seconds", 0) if rows else 0)
     wall = launch.get("wall_s") or (round(last["time"] - t0, 1) if rows else 0.0)
+    consumed, rejected = _ledger_batches(store), int(last.get("batches_rejected", 0))
+    # Counted from the store itself: the trainer's stale counter misses
+    # batches that land after their version left the window.
+    uploaded = len(store.list("rollouts/"))
     return {
         "run_id": spec.run_id if spec else None,
         "env": spec.env if spec else launch.get("env"),
@@ -135,14 +139,12 @@ def build_report(store: ObjectStore) -> dict:
         "workers": _workers(store, rows),
         "eval": {w: _json(store, k) for w, k in keys.EVAL.items()},
         "versions_published": versions[-1]["version"] if versions else None,
-        "rollouts_consumed": (consumed := _ledger_batches(store)),
-        # Counted from the store itself: the trainer's stale counter misses
-        # batches that land after their version left the window.
-        "rollouts_uploaded": (uploaded := len(store.list("rollouts/"))),
-        "rollouts_unused": max(0, uploaded - consumed - int(last.get("batches_rejected", 0))),
+        "rollouts_consumed": consumed,
+        "rollouts_uploaded": uploaded,
+        "rollouts_unused": max(0, uploaded - consumed - rejected),
         "episodes_consumed": sum(r.get("episodes", 0) for r in rows),
         "rollouts_dropped_stale": int(last.get("batches_dropped_stale", 0)),
-        "rollouts_rejected": int(last.get("batches_rejected", 0)),
+        "rollouts_rejected": rejected,
         "groups_rejected": int(last.get("groups_rejected", 0)),
         "rejected_by_reason": {
             k.removeprefix("rejected_"): int(n)
