@@ -46,7 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--skill-fraction", type=float, help="share of steps on good demos only, first (0.5)"
     )
-    w.add_argument("--steps", type=int, help="optimizer steps (default per model)")
+    w.add_argument("--steps", type=int, help="optimizer steps on demos (default per model)")
+    w.add_argument(
+        "--drill-steps",
+        type=int,
+        help="copy-drill steps before the demos (default per model: tiny 300, pretrained 0)",
+    )
     w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
     w.add_argument("--lr", type=float, help="peak learning rate (default per model)")
     w.add_argument("--seed", type=int, default=0)
@@ -154,7 +159,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _warmstart(args: argparse.Namespace) -> int:
-    from colonnade.train.warmstart import WarmstartConfig, warmstart
+    from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
     from .main import CliError
 
@@ -162,6 +167,7 @@ def _warmstart(args: argparse.Namespace) -> int:
         model=args.model,
         env=args.env,
         steps=args.steps,
+        drill_steps=args.drill_steps,
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
@@ -171,7 +177,7 @@ def _warmstart(args: argparse.Namespace) -> int:
     if args.skill_fraction is not None:
         cfg.skill_fraction = args.skill_fraction
     res = cfg.resolved()
-    bar, task = _progress("warm start", res.steps)
+    bar, task = _progress("warm start", total_steps(res))
     try:
         with bar:
             path, built = warmstart(

@@ -34,6 +34,7 @@ class RunConfig:
     threads: int = 1  # torch threads per process (2 cores: 1 each)
     warmstart: bool = True
     warmstart_steps: int | None = None  # None: the model's default
+    warmstart_drill_steps: int | None = None  # copy drill first; None: the model's default
     good_fraction: float = 0.35
     eval_n: int = 200  # held-out tasks before and after
     eval_batch: int = 50
@@ -51,6 +52,8 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "env": "smoke",
         "model": "tiny",
         "warmstart_steps": 300,
+        # One word from eight, all in the prompt: no copy drill needed.
+        "warmstart_drill_steps": 0,
         "good_fraction": 0.3,
         "eval_n": 100,
         "trainer": {

@@ -23,7 +23,7 @@ from colonnade.protocol.signing import new_keypair
 from colonnade.rollout import SamplingParams
 from colonnade.store import ObjectStore, open_store
 from colonnade.train.trainer import TrainerConfig
-from colonnade.train.warmstart import WarmstartConfig, warmstart
+from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
 from . import evaluation
 from .config import RunConfig, effective_tables, role_configs, to_toml
@@ -47,9 +47,13 @@ def _warm(cfg: RunConfig, console: Console) -> str:
     if not cfg.warmstart:
         return cfg.model
     ws = WarmstartConfig(
-        model=cfg.model, env=cfg.env, good_fraction=cfg.good_fraction, steps=cfg.warmstart_steps
+        model=cfg.model,
+        env=cfg.env,
+        good_fraction=cfg.good_fraction,
+        steps=cfg.warmstart_steps,
+        drill_steps=cfg.warmstart_drill_steps,
     )
-    steps = ws.resolved().steps
+    steps = total_steps(ws.resolved())
     with progress_bar(console) as bar:
         task = bar.add_task("warm start", total=steps, info="")
         path, built = warmstart(

@@ -62,6 +62,32 @@ def demonstrations(
     return out
 
 
+def copy_drill(tokenizer, texts: Sequence[str], n: int, seed: int) -> list[Example]:
+    """n copy exercises: a window of 6-20 tokens of `texts`, an end token, the window again.
+
+    Only the second copy is learned. A model trained from scratch on a task's
+    demonstrations never learns to copy an unseen name (a query from the
+    question, an answer from a retrieved document): the few name tokens are a
+    sliver of its loss, and it memorizes the training names instead. Dense
+    copying forms the induction circuit in a few hundred steps, and the task's
+    demonstrations then only have to point it at the right span.
+    """
+    if not texts:
+        raise ValueError("no texts to draw copy exercises from")
+    rng = random.Random(seed)
+    docs = [tokenizer.encode(" " + t, add_special_tokens=False) for t in texts]
+    docs = [d for d in docs if d]
+    out = []
+    for _ in range(n):
+        doc = rng.choice(docs)
+        width = min(len(doc), rng.randint(6, 20))
+        start = rng.randint(0, len(doc) - width)
+        window = doc[start : start + width]
+        ids = (*window, tokenizer.eos_token_id, *window)
+        out.append(Example(ids, (False,) * (width + 1) + (True,) * width))
+    return out
+
+
 def collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
     """(ids, attention mask, labels) right-padded; labels are -100 where not learned."""
     width = max(len(e.ids) for e in batch)

@@ -25,14 +25,18 @@ from colonnade.envs import load_environment
 from colonnade.model import load_model, resolve_model
 from colonnade.model.loading import READY, build_once, cache_root
 
-from .sft import demonstrations, train_sft
+from .sft import copy_drill, demonstrations, train_sft
 
 # Per-model defaults: a from-scratch 2M model wants a large step; a
 # pretrained 135M one a small step and few of them.
+# A from-scratch model first drills copying (see `copy_drill`); a pretrained
+# one already copies.
 MODEL_DEFAULTS = {
-    "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8},
-    "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4},
+    "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8, "drill_steps": 300},
+    "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4, "drill_steps": 0},
 }
+# Copy exercises are short, so a drill step takes many at a high rate.
+DRILL_BATCH, DRILL_LR = 64, 3e-3
 
 
 @dataclass
@@ -47,6 +51,7 @@ class WarmstartConfig:
     # mixture afterwards only sets how often it uses it.
     skill_fraction: float = 0.5
     steps: int | None = None  # None: the model's default
+    drill_steps: int | None = None  # copy-drill steps before the demos; None: default
     batch_size: int | None = None
     lr: float | None = None
     seed: int = 0
@@ -54,10 +59,13 @@ class WarmstartConfig:
     def resolved(self) -> WarmstartConfig:
         if not 0.0 <= self.skill_fraction <= 1.0:
             raise ValueError("skill_fraction must be within [0, 1]")
+        if self.drill_steps is not None and self.drill_steps < 0:
+            raise ValueError("drill_steps must be at least 0")
         d = MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["smollm2-135m"])
         return dataclasses.replace(
             self,
             steps=self.steps or d["steps"],
+            drill_steps=d["drill_steps"] if self.drill_steps is None else self.drill_steps,
             batch_size=self.batch_size or d["batch_size"],
             lr=self.lr or d["lr"],
         )
@@ -95,23 +103,18 @@ def warmstart(
     def build(tmp: Path) -> None:
         torch.manual_seed(cfg.seed)
         model, tok = load_model(base, dtype=torch.float32)
-        skill = round(cfg.steps * cfg.skill_fraction)
-        stages = [(1.0, skill, 0), (cfg.good_fraction, cfg.steps - skill, skill)]
         t0 = time.perf_counter()
         losses: list[float] = []
-        for fraction, steps, done in stages:
-            if steps <= 0:
-                continue
-            examples = demonstrations(tok, env, env.tasks("train"), fraction, cfg.seed + done)
+        for examples, steps, batch, lr, done in _stages(cfg, env, tok):
             losses += train_sft(
                 model,
                 examples,
                 tok.pad_token_id,
                 steps,
-                cfg.batch_size,
-                cfg.lr,
+                batch,
+                lr,
                 cfg.seed + done,
-                progress=(lambda s, loss, d=done: progress(d + s, cfg.steps, loss))
+                progress=(lambda s, loss, d=done: progress(d + s, total_steps(cfg), loss))
                 if progress
                 else None,
             )
@@ -128,3 +131,24 @@ def warmstart(
 
     facts = {"warmstart_key": key, "config": dataclasses.asdict(cfg)}
     return build_once(target, build, facts), True
+
+
+def total_steps(cfg: WarmstartConfig) -> int:
+    """Optimizer steps of the whole warm start, drill included (resolved config)."""
+    return (cfg.drill_steps or 0) + (cfg.steps or 0)
+
+
+def _stages(cfg: WarmstartConfig, env, tok):
+    """(examples, steps, batch size, lr, steps before) of each stage, in order.
+
+    The copy drill, then good demos only (the skill), then the mixture (how
+    often the skill is used). Examples are built when their stage starts.
+    """
+    drill, skill = cfg.drill_steps or 0, round(cfg.steps * cfg.skill_fraction)
+    if drill:
+        exercises = copy_drill(tok, env.tokenizer_texts(), drill * DRILL_BATCH, cfg.seed)
+        yield exercises, drill, DRILL_BATCH, DRILL_LR, 0
+    for fraction, steps, done in ((1.0, skill, 0), (cfg.good_fraction, cfg.steps - skill, skill)):
+        if steps > 0:
+            demos = demonstrations(tok, env, env.tasks("train"), fraction, cfg.seed + done)
+            yield demos, steps, cfg.batch_size, cfg.lr, drill + done

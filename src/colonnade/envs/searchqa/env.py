@@ -118,6 +118,11 @@ class SearchQA:
         tasks = [*self.corpus.train, *self.corpus.test]
         # Tool replies too, so the tags and "Doc n:" become single tokens.
         replies = [self.information(t.question) for t in self.corpus.train[::4]]
-        return [SYSTEM, *self.corpus.docs, *(t.question for t in tasks), *replies] + [
-            f"<search>{t.question}</search><answer> {t.answers[0]}</answer>" for t in tasks
-        ]
+        # The system prompt opens every episode: weighted so, its words become
+        # tokens (seen once, it took 78 tokens; now 36).
+        return [
+            *[SYSTEM] * len(tasks),
+            *self.corpus.docs,
+            *(t.question for t in tasks),
+            *replies,
+        ] + [f"<search>{t.question}</search><answer> {t.answers[0]}</answer>" for t in tasks]

@@ -1,0 +1,70 @@
+"""The copy drill: windows of the task's text, copied once, only the copy learned."""
+
+import pytest
+
+from colonnade.train.sft import collate, copy_drill
+from colonnade.train.warmstart import WarmstartConfig, total_steps
+
+TEXTS = [
+    "The Gallus ostkais gene KVR12 encodes velorin (also called VE-12).",
+    "Velorin activity is inhibited by trimeknib, a small molecule.",
+    "GX1.",
+]
+
+
+def test_each_exercise_is_a_window_an_end_token_and_the_same_window(tiny):
+    _, tok = tiny
+    docs = [tok.encode(" " + t, add_special_tokens=False) for t in TEXTS]
+    exercises = copy_drill(tok, TEXTS, 200, seed=3)
+    assert len(exercises) == 200
+    widths = set()
+    for ex in exercises:
+        width = (len(ex.ids) - 1) // 2
+        first, end, second = ex.ids[:width], ex.ids[width], ex.ids[width + 1 :]
+        assert end == tok.eos_token_id and first == second
+        # Only the copy is learned: the window itself is unpredictable.
+        assert ex.learn == (False,) * (width + 1) + (True,) * width
+        # A contiguous span of one of the texts, as the tokenizer splits it.
+        assert any(
+            list(first) == d[i : i + width] for d in docs for i in range(len(d) - width + 1)
+        )
+        widths.add(width)
+    # 6-20 tokens, shorter only where a whole text is shorter.
+    shortest = min(len(d) for d in docs)
+    assert shortest < 6 and min(widths) == shortest
+    assert max(widths) <= 20 and len(widths) > 5
+
+
+def test_drill_is_deterministic_under_its_seed(tiny):
+    _, tok = tiny
+    assert copy_drill(tok, TEXTS, 50, seed=1) == copy_drill(tok, TEXTS, 50, seed=1)
+    assert copy_drill(tok, TEXTS, 50, seed=1) != copy_drill(tok, TEXTS, 50, seed=2)
+
+
+def test_drill_batches_collate_with_labels_on_the_copy_only(tiny):
+    _, tok = tiny
+    exercises = copy_drill(tok, TEXTS, 8, seed=0)
+    ids, attn, labels = collate(exercises, tok.pad_token_id)
+    for row, ex in enumerate(exercises):
+        learned = labels[row] != -100
+        assert learned.sum().item() == sum(ex.learn)
+        assert attn[row].sum().item() == len(ex.ids)
+
+
+def test_drill_needs_texts(tiny):
+    _, tok = tiny
+    with pytest.raises(ValueError, match="no texts"):
+        copy_drill(tok, [], 4, seed=0)
+
+
+def test_drill_steps_default_per_model_and_count_in_the_total():
+    tiny = WarmstartConfig(model="tiny").resolved()
+    assert tiny.drill_steps > 0 and total_steps(tiny) == tiny.drill_steps + tiny.steps
+    # A pretrained model already copies: no drill unless asked.
+    assert WarmstartConfig(model="smollm2-135m").resolved().drill_steps == 0
+    assert WarmstartConfig(model="tiny", drill_steps=0).resolved().drill_steps == 0
+    with pytest.raises(ValueError, match="drill_steps"):
+        WarmstartConfig(drill_steps=-1).resolved()
+    # The drill is part of what the cache key covers.
+    a, b = WarmstartConfig(drill_steps=10), WarmstartConfig(drill_steps=20)
+    assert a.key("/x/base") != b.key("/x/base")
