@@ -8,7 +8,8 @@ from colonnade.cli.main import main
 def test_warmstart_teaches_the_format_and_is_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ws"
-    args = ["warmstart", "--model", "tiny", "--env", "smoke", "--steps", "60", "--drill-steps", "0", "--out", str(out)]
+    args = ["warmstart", "--model", "tiny", "--env", "smoke", "--steps", "60", "--drill-steps", "0"]
+    args += ["--out", str(out)]
     assert main(args) == 0
     assert "built" in capsys.readouterr().err
     assert (out / "config.json").is_file() and (out / "warmstart.json").is_file()

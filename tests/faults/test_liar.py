@@ -29,7 +29,8 @@ def test_a_lying_worker_is_quarantined(tmp_path):
     # A warm start, so groups have mixed rewards: flat groups train nothing and
     # carry no gate figures (nor any harm).
     model = subprocess.run(
-        [*cli, "warmstart", "--env", "smoke", "--steps", "200", "--drill-steps", "0", "--good-fraction", "0.3"],
+        [*cli, "warmstart", "--env", "smoke", "--steps", "200", "--drill-steps", "0",
+         "--good-fraction", "0.3"],
         env=env, capture_output=True, text=True, check=True, timeout=200,
     ).stdout.strip()  # fmt: skip
     cfg = tmp_path / "trainer.toml"

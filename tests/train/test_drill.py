@@ -25,9 +25,7 @@ def test_each_exercise_is_a_window_an_end_token_and_the_same_window(tiny):
         # Only the copy is learned: the window itself is unpredictable.
         assert ex.learn == (False,) * (width + 1) + (True,) * width
         # A contiguous span of one of the texts, as the tokenizer splits it.
-        assert any(
-            list(first) == d[i : i + width] for d in docs for i in range(len(d) - width + 1)
-        )
+        assert any(list(first) == d[i : i + width] for d in docs for i in range(len(d) - width + 1))
         widths.add(width)
     # 6-20 tokens, shorter only where a whole text is shorter.
     shortest = min(len(d) for d in docs)
@@ -44,7 +42,7 @@ def test_drill_is_deterministic_under_its_seed(tiny):
 def test_drill_batches_collate_with_labels_on_the_copy_only(tiny):
     _, tok = tiny
     exercises = copy_drill(tok, TEXTS, 8, seed=0)
-    ids, attn, labels = collate(exercises, tok.pad_token_id)
+    _, attn, labels = collate(exercises, tok.pad_token_id)
     for row, ex in enumerate(exercises):
         learned = labels[row] != -100
         assert learned.sum().item() == sum(ex.learn)
