@@ -55,14 +55,22 @@ def test_drill_needs_texts(tiny):
         copy_drill(tok, [], 4, seed=0)
 
 
-def test_drill_steps_default_per_model_and_count_in_the_total():
-    tiny = WarmstartConfig(model="tiny").resolved()
-    assert tiny.drill_steps > 0 and total_steps(tiny) == tiny.drill_steps + tiny.steps
-    # A pretrained model already copies: no drill unless asked.
+def test_drill_steps_default_per_model_and_task_and_count_in_the_total():
+    searchqa = WarmstartConfig(model="tiny", env="searchqa").resolved()
+    assert searchqa.drill_steps > 0 and searchqa.skill_fraction > 0.5
+    assert total_steps(searchqa) == searchqa.drill_steps + searchqa.steps
+    # One word out of eight, all in the prompt: smoke needs no drill; nor
+    # does a pretrained model, which already copies.
+    assert WarmstartConfig(model="tiny", env="smoke").resolved().drill_steps == 0
     assert WarmstartConfig(model="smollm2-135m").resolved().drill_steps == 0
-    assert WarmstartConfig(model="tiny", drill_steps=0).resolved().drill_steps == 0
+    # What is given wins over the defaults, zero included.
+    given = WarmstartConfig(model="tiny", drill_steps=0, steps=7, skill_fraction=0.25)
+    assert (given.resolved().drill_steps, given.resolved().steps) == (0, 7)
+    assert given.resolved().skill_fraction == 0.25
     with pytest.raises(ValueError, match="drill_steps"):
         WarmstartConfig(drill_steps=-1).resolved()
+    with pytest.raises(ValueError, match="skill_fraction"):
+        WarmstartConfig(skill_fraction=1.5).resolved()
     # The drill is part of what the cache key covers.
     a, b = WarmstartConfig(drill_steps=10), WarmstartConfig(drill_steps=20)
     assert a.key("/x/base") != b.key("/x/base")

@@ -44,13 +44,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--out", type=Path, help="model directory to write (default: the cache)")
     w.add_argument("--good-fraction", type=float, default=None, help="share of good demos")
     w.add_argument(
-        "--skill-fraction", type=float, help="share of steps on good demos only, first (0.5)"
+        "--skill-fraction",
+        type=float,
+        help="share of demo steps on good demos only, first (default per model and task)",
     )
     w.add_argument("--steps", type=int, help="optimizer steps on demos (default per model)")
     w.add_argument(
         "--drill-steps",
         type=int,
-        help="copy-drill steps before the demos (default per model: tiny 300, pretrained 0)",
+        help="copy-drill steps before the demos (default per model and task: 400 for tiny "
+        "on searchqa, else 0)",
     )
     w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
     w.add_argument("--lr", type=float, help="peak learning rate (default per model)")

@@ -52,8 +52,6 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "env": "smoke",
         "model": "tiny",
         "warmstart_steps": 300,
-        # One word from eight, all in the prompt: no copy drill needed.
-        "warmstart_drill_steps": 0,
         "good_fraction": 0.3,
         "eval_n": 100,
         "trainer": {
