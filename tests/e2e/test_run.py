@@ -79,7 +79,8 @@ def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_ctrl_c_stops_every_child_and_still_reports(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_every_child_and_still_reports(tmp_path, sig):
     out = tmp_path / "run"
     cfg = _config(tmp_path, 200)
     cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
@@ -92,7 +93,7 @@ def test_ctrl_c_stops_every_child_and_still_reports(tmp_path):
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() - t0 < 300, "no versions within 300 s"
         time.sleep(0.3)
-    launcher.send_signal(signal.SIGINT)
+    launcher.send_signal(sig)
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 1, stderr[-3000:]
     assert "interrupted" in stderr

@@ -8,11 +8,14 @@ alive after the grace period is killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +75,30 @@ def wait_exit(children: list[Child], timeout: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP on the launcher act as Ctrl-C.
+
+    Left at their defaults they end the launcher at once, and its children,
+    each in a session of its own, would train and generate on unwatched.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    caught = (signal.SIGTERM, signal.SIGHUP)
+
+    def interrupt(signum, frame):
+        # Once: a second signal must not cut short the stopping of the children.
+        for s in caught:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, interrupt) for s in caught}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

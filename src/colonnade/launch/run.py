@@ -28,7 +28,7 @@ from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 from . import evaluation
 from .config import RunConfig, effective_tables, role_configs, to_toml
 from .live import log_line, progress_bar, render, snapshot
-from .processes import Child, spawn, stop_all, wait_exit
+from .processes import Child, spawn, stop_all, terminate_as_interrupt, wait_exit
 
 log = logging.getLogger("colonnade.run")
 
@@ -180,6 +180,26 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
         "out": str(out),
     }
     children: list[Child] = []
+    with terminate_as_interrupt():
+        _supervise(cfg, trainer_cfg, store, facts, started, children, console)
+    report = build_report(store)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.html").write_text(render_html(report))
+    console.print(f"report: {out / 'report.json'}, {out / 'report.html'}")
+    return report
+
+
+def _supervise(
+    cfg: RunConfig,
+    trainer_cfg: TrainerConfig,
+    store: ObjectStore,
+    facts: dict,
+    started: float,
+    children: list[Child],
+    console: Console,
+) -> None:
+    """Warm start, evaluate, run the children to the end; whatever happens,
+    stop them and record how the run ended in `facts` and the store."""
     try:
         model_path = _warm(cfg, console)
         if cfg.eval_n:
@@ -191,7 +211,7 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
                 evaluation.model_engine(model_path, _engine(cfg)),
                 console,
             )
-        children = _launch_children(cfg, model_path, store)
+        children += _launch_children(cfg, model_path, store)
         _write_launch(store, facts, started)
         _watch(cfg, trainer_cfg.max_versions, store, children, console)
         wait_exit(children[1:], 60)
@@ -207,11 +227,6 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
     finally:
         stop_all(children)
         _write_launch(store, facts, started)
-    report = build_report(store)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.html").write_text(render_html(report))
-    console.print(f"report: {out / 'report.json'}, {out / 'report.html'}")
-    return report
 
 
 def _engine(cfg: RunConfig) -> str:
