@@ -131,3 +131,25 @@ def test_unknown_env_and_bad_split_say_why(sqa):
         load_environment("no_such_env_xyz")
     with pytest.raises(ValueError, match="unknown split"):
         sqa.tasks("dev")
+
+
+def test_practice_corpus_has_the_shape_and_none_of_the_names(sqa):
+    from colonnade.envs import Practising
+
+    assert isinstance(sqa, Practising)
+    practice = sqa.practice(seed=5)
+    assert len(practice.tasks("train")) == len(sqa.tasks("train"))
+    assert len(practice.corpus.docs) == len(sqa.corpus.docs)
+    assert not practice.corpus.names & sqa.corpus.names
+    # No answer, gene or document of the real task turns up in practice.
+    real_answers = {normalize(a) for t in (*sqa.tasks("train"), *sqa.tasks("test"))
+                    for a in t.answers}  # fmt: skip
+    for t in (*practice.tasks("train"), *practice.tasks("test")):
+        assert not {normalize(a) for a in t.answers} & real_answers
+    text = normalize(" ".join(practice.corpus.docs))
+    words = set(text.split())
+    assert not {t.info["gene"].lower() for t in sqa.tasks("test")} & words
+    # Deterministic under its seed, and a practice corpus is an ordinary env.
+    assert sqa.practice(seed=5).corpus.docs == practice.corpus.docs
+    task = practice.tasks("test")[0]
+    assert normalize(task.answers[0]) in normalize(practice.information(task.question))

@@ -71,6 +71,22 @@ def test_drill_steps_default_per_model_and_task_and_count_in_the_total():
         WarmstartConfig(drill_steps=-1).resolved()
     with pytest.raises(ValueError, match="skill_fraction"):
         WarmstartConfig(skill_fraction=1.5).resolved()
+    # Demos on the env's own train split unless a practice corpus is asked for.
+    assert searchqa.practice_seed == -1
+    assert WarmstartConfig(practice_seed=2).resolved().practice_seed == 2
     # The drill is part of what the cache key covers.
     a, b = WarmstartConfig(drill_steps=10), WarmstartConfig(drill_steps=20)
     assert a.key("/x/base") != b.key("/x/base")
+
+
+def test_practice_needs_an_env_that_can_practise():
+    from colonnade.envs import load_environment
+    from colonnade.train.warmstart import _demo_env
+
+    smoke = load_environment("smoke")
+    assert _demo_env(WarmstartConfig(env="smoke").resolved(), smoke) is smoke
+    with pytest.raises(TypeError, match="practice"):
+        _demo_env(WarmstartConfig(env="smoke", practice_seed=1).resolved(), smoke)
+    sqa = load_environment("searchqa", n_clusters=20)
+    practice = _demo_env(WarmstartConfig(env="searchqa", practice_seed=1).resolved(), sqa)
+    assert practice is not sqa and not practice.corpus.names & sqa.corpus.names

@@ -57,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
     w.add_argument("--lr", type=float, help="peak learning rate (default per model)")
+    w.add_argument(
+        "--practice-seed",
+        type=int,
+        help="demos on the env's disjoint practice corpus of this seed; -1: on the env's "
+        "own train split (the default)",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(handler=_warmstart)
 
@@ -171,6 +177,7 @@ def _warmstart(args: argparse.Namespace) -> int:
         env=args.env,
         steps=args.steps,
         drill_steps=args.drill_steps,
+        practice_seed=args.practice_seed,
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,

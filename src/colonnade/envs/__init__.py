@@ -6,7 +6,7 @@ Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format) and `smoke`
 """
 
 from .answers import exact_match, last_tag, normalize
-from .base import SPLITS, Demonstrating, Environment, Score, Task
+from .base import SPLITS, Demonstrating, Environment, Practising, Score, Task
 from .registry import BUILTINS, load_environment
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "SPLITS",
     "Demonstrating",
     "Environment",
+    "Practising",
     "Score",
     "Task",
     "exact_match",

@@ -72,6 +72,15 @@ class Demonstrating(Protocol):
         ...
 
 
+@runtime_checkable
+class Practising(Protocol):
+    """An environment that can make a disjoint twin of itself for warm-start demos."""
+
+    def practice(self, seed: int) -> Environment:
+        """The same task over other data (no entity, answer or document in common)."""
+        ...
+
+
 def check_split(split: str) -> str:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")

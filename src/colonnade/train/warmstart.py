@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from colonnade.envs import load_environment
+from colonnade.envs import Practising, load_environment
 from colonnade.model import load_model, resolve_model
 from colonnade.model.loading import READY, build_once, cache_root
 
@@ -30,20 +30,32 @@ from .sft import copy_drill, demonstrations, train_sft
 # Per-model defaults: a from-scratch 2M model wants a large step; a
 # pretrained 135M one a small step and few of them.
 MODEL_DEFAULTS = {
-    "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8, "drill_steps": 0, "skill_fraction": 0.5},
+    "tiny": {
+        "lr": 1e-3,
+        "steps": 800,
+        "batch_size": 8,
+        "drill_steps": 0,
+        "skill_fraction": 0.5,
+        "practice_seed": -1,
+    },
     "smollm2-135m": {
         "lr": 3e-5,
         "steps": 120,
         "batch_size": 4,
         "drill_steps": 0,
         "skill_fraction": 0.5,
+        "practice_seed": -1,
     },
 }
 # Tuned for one model on one task, over the model's defaults (docs/benchmarks.md).
 # From scratch, `tiny` never copies an unseen name out of searchqa's demos alone:
 # it drills copying first, and learns the skill long before the mixture.
 PAIR_DEFAULTS = {
-    ("tiny", "searchqa"): {"drill_steps": 400, "steps": 1000, "skill_fraction": 0.8},
+    ("tiny", "searchqa"): {
+        "drill_steps": 400,
+        "steps": 1000,
+        "skill_fraction": 0.8,
+    },
 }
 # Copy exercises are short, so a drill step takes many at a high rate.
 DRILL_BATCH, DRILL_LR = 64, 3e-3
@@ -67,6 +79,9 @@ class WarmstartConfig:
     batch_size: int | None = None
     lr: float | None = None
     seed: int = 0
+    # Demos from `env.practice(seed)` (a disjoint corpus), not the env itself;
+    # -1: the env's own train split.
+    practice_seed: int | None = None
 
     def resolved(self) -> WarmstartConfig:
         d = {
@@ -116,7 +131,8 @@ def warmstart(
         model, tok = load_model(base, dtype=torch.float32)
         t0 = time.perf_counter()
         losses: list[float] = []
-        for examples, steps, batch, lr, done in _stages(cfg, env, tok):
+        demo_env = _demo_env(cfg, env)
+        for examples, steps, batch, lr, done in _stages(cfg, env, demo_env, tok):
             losses += train_sft(
                 model,
                 examples,
@@ -134,7 +150,7 @@ def warmstart(
         summary = {
             "losses_first_last": [losses[0], losses[-1]],
             "seconds": round(time.perf_counter() - t0, 1),
-            "examples": len(env.tasks("train")),
+            "examples": len(demo_env.tasks("train")),
         }
         (tmp / "warmstart.json").write_text(
             json.dumps({"config": dataclasses.asdict(cfg), "base": base, **summary}, indent=1)
@@ -149,17 +165,28 @@ def total_steps(cfg: WarmstartConfig) -> int:
     return cfg.drill_steps + cfg.steps
 
 
-def _stages(cfg: WarmstartConfig, env, tok):
+def _stages(cfg: WarmstartConfig, env, demo_env, tok):
     """(examples, steps, batch size, lr, steps before) of each stage, in order.
 
     The copy drill, then good demos only (the skill), then the mixture (how
-    often the skill is used). Examples are built when their stage starts.
+    often the skill is used). All from `demo_env`, so that with a practice
+    corpus no name of `env` is seen before RL. Examples are built when their
+    stage starts.
     """
     drill, skill = cfg.drill_steps, round(cfg.steps * cfg.skill_fraction)
     if drill:
-        exercises = copy_drill(tok, env.tokenizer_texts(), drill * DRILL_BATCH, cfg.seed)
+        exercises = copy_drill(tok, demo_env.tokenizer_texts(), drill * DRILL_BATCH, cfg.seed)
         yield exercises, drill, DRILL_BATCH, DRILL_LR, 0
     for fraction, steps, done in ((1.0, skill, 0), (cfg.good_fraction, cfg.steps - skill, skill)):
         if steps > 0:
-            demos = demonstrations(tok, env, env.tasks("train"), fraction, cfg.seed + done)
+            tasks = demo_env.tasks("train")
+            demos = demonstrations(tok, demo_env, tasks, fraction, cfg.seed + done)
             yield demos, steps, cfg.batch_size, cfg.lr, drill + done
+
+
+def _demo_env(cfg: WarmstartConfig, env):
+    if cfg.practice_seed < 0:
+        return env
+    if not isinstance(env, Practising):
+        raise TypeError(f"environment {env.name!r} has no practice(); set practice_seed = -1")
+    return env.practice(cfg.practice_seed)

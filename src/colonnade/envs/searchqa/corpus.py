@@ -98,14 +98,19 @@ def _cluster(rng: random.Random) -> Cluster:
     )
 
 
-def make_clusters(n: int, seed: int) -> list[Cluster]:
-    """n clusters whose entity names are all distinct (across clusters too)."""
+def cluster_names(c: Cluster) -> set[str]:
+    names = {c.gene.lower(), c.protein, c.protein_alias.lower(), c.drug, c.disease}
+    return names | {c.organism.lower(), c.disease_alias}
+
+
+def make_clusters(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[Cluster]:
+    """n clusters whose entity names are all distinct (across clusters too) and
+    none of them in `exclude`."""
     rng = random.Random(seed)
-    clusters, used = [], set()
+    clusters, used = [], set(exclude)
     while len(clusters) < n:
         c = _cluster(rng)
-        names = {c.gene.lower(), c.protein, c.protein_alias.lower(), c.drug, c.disease}
-        names |= {c.organism.lower(), c.disease_alias}
+        names = cluster_names(c)
         if len(names) >= 6 and not names & used:
             used |= names
             clusters.append(c)
@@ -161,14 +166,20 @@ class Corpus:
     docs: list[str]
     train: list[Task]
     test: list[Task]
+    names: frozenset[str]  # every entity name, lowercase
 
 
-def build_corpus(n_clusters: int = 600, test_fraction: float = 0.2, seed: int = 0) -> Corpus:
-    """Documents (shuffled) and questions split by cluster."""
+def build_corpus(
+    n_clusters: int = 600,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    exclude: frozenset[str] = frozenset(),
+) -> Corpus:
+    """Documents (shuffled) and questions split by cluster; no name in `exclude`."""
     if n_clusters < 2 or not 0 < test_fraction < 1:
         raise ValueError("need at least 2 clusters and 0 < test_fraction < 1")
     rng = random.Random(seed + 1)
-    clusters = make_clusters(n_clusters, seed)
+    clusters = make_clusters(n_clusters, seed, exclude)
     docs = [d for c in clusters for d in documents(c, rng)]
     rng.shuffle(docs)
     order = list(range(n_clusters))
@@ -177,4 +188,5 @@ def build_corpus(n_clusters: int = 600, test_fraction: float = 0.2, seed: int = 
     test_ids = set(order[:n_test])
     train = [t for i, c in enumerate(clusters) if i not in test_ids for t in questions(c, i)]
     test = [t for i, c in enumerate(clusters) if i in test_ids for t in questions(c, i)]
-    return Corpus(docs, train, test)
+    names = frozenset(n for c in clusters for n in cluster_names(c))
+    return Corpus(docs, train, test, names)

@@ -31,11 +31,18 @@ class SearchQA:
     stop = ("</search>", "</answer>")
 
     def __init__(
-        self, n_clusters: int, test_fraction: float, top_k: int, max_turns: int, seed: int
+        self,
+        n_clusters: int,
+        test_fraction: float,
+        top_k: int,
+        max_turns: int,
+        seed: int,
+        exclude: frozenset[str] = frozenset(),
     ):
         if top_k < 1 or max_turns < 1:
             raise ValueError("top_k and max_turns must be at least 1")
-        self.corpus = build_corpus(n_clusters, test_fraction, seed)
+        self._shape = (n_clusters, test_fraction, top_k, max_turns)
+        self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude)
         self.index = BM25Index(self.corpus.docs)
         self.top_k, self.max_turns = top_k, max_turns
         self._by_id = {t.id: t for t in (*self.corpus.train, *self.corpus.test)}
@@ -43,6 +50,16 @@ class SearchQA:
         self._guesses: dict[str, list[str]] = {}
         for t in self.corpus.train:
             self._guesses.setdefault(t.info.get("relation", ""), []).append(t.answers[0])
+
+    def practice(self, seed: int) -> SearchQA:
+        """A corpus of the same shape that shares no name with this one.
+
+        A warm start on its demos teaches the skill; RL on this corpus's train
+        split then meets only names the warm start never showed, so a reward
+        can only come from searching and copying, never from recall, and what
+        RL learns carries over to the test split.
+        """
+        return SearchQA(*self._shape, seed=seed, exclude=self.corpus.names)
 
     def tasks(self, split: str) -> Sequence[Task]:
         return self.corpus.train if check_split(split) == "train" else self.corpus.test
