@@ -178,14 +178,13 @@ def _warmstart(args: argparse.Namespace) -> int:
         steps=args.steps,
         drill_steps=args.drill_steps,
         practice_seed=args.practice_seed,
+        skill_fraction=args.skill_fraction,
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
     )
     if args.good_fraction is not None:
         cfg.good_fraction = args.good_fraction
-    if args.skill_fraction is not None:
-        cfg.skill_fraction = args.skill_fraction
     res = cfg.resolved()
     bar, task = _progress("warm start", total_steps(res))
     try:

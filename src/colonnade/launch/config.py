@@ -34,7 +34,7 @@ class RunConfig:
     threads: int = 1  # torch threads per process (2 cores: 1 each)
     warmstart: bool = True
     warmstart_steps: int | None = None  # None: the model's default
-    warmstart_drill_steps: int | None = None  # copy drill first; None: the model's default
+    warmstart_drill_steps: int | None = None  # copy drill first; None: per model and task
     good_fraction: float = 0.35
     eval_n: int = 200  # held-out tasks before and after
     eval_batch: int = 50

@@ -179,9 +179,8 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
         "status": "running",
         "out": str(out),
     }
-    children: list[Child] = []
     with terminate_as_interrupt():
-        _supervise(cfg, trainer_cfg, store, facts, started, children, console)
+        _supervise(cfg, trainer_cfg, store, facts, started, console)
     report = build_report(store)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.html").write_text(render_html(report))
@@ -195,11 +194,11 @@ def _supervise(
     store: ObjectStore,
     facts: dict,
     started: float,
-    children: list[Child],
     console: Console,
 ) -> None:
     """Warm start, evaluate, run the children to the end; whatever happens,
     stop them and record how the run ended in `facts` and the store."""
+    children: list[Child] = []
     try:
         model_path = _warm(cfg, console)
         if cfg.eval_n:

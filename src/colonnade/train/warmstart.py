@@ -27,25 +27,12 @@ from colonnade.model.loading import READY, build_once, cache_root
 
 from .sft import copy_drill, demonstrations, train_sft
 
-# Per-model defaults: a from-scratch 2M model wants a large step; a
-# pretrained 135M one a small step and few of them.
+# Defaults for every model and task; then per model: a from-scratch 2M model
+# wants a large step, a pretrained 135M one a small step and few of them.
+DEFAULTS = {"drill_steps": 0, "skill_fraction": 0.5, "practice_seed": -1}
 MODEL_DEFAULTS = {
-    "tiny": {
-        "lr": 1e-3,
-        "steps": 800,
-        "batch_size": 8,
-        "drill_steps": 0,
-        "skill_fraction": 0.5,
-        "practice_seed": -1,
-    },
-    "smollm2-135m": {
-        "lr": 3e-5,
-        "steps": 120,
-        "batch_size": 4,
-        "drill_steps": 0,
-        "skill_fraction": 0.5,
-        "practice_seed": -1,
-    },
+    "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8},
+    "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4},
 }
 # Tuned for one model on one task, over the model's defaults (docs/benchmarks.md).
 # From scratch, `tiny` never copies an unseen name out of searchqa's demos alone:
@@ -85,6 +72,7 @@ class WarmstartConfig:
 
     def resolved(self) -> WarmstartConfig:
         d = {
+            **DEFAULTS,
             **MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["smollm2-135m"]),
             **PAIR_DEFAULTS.get((self.model, self.env), {}),
         }

@@ -41,7 +41,7 @@ class SearchQA:
     ):
         if top_k < 1 or max_turns < 1:
             raise ValueError("top_k and max_turns must be at least 1")
-        self._shape = (n_clusters, test_fraction, top_k, max_turns)
+        self._corpus_shape = (n_clusters, test_fraction)
         self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude)
         self.index = BM25Index(self.corpus.docs)
         self.top_k, self.max_turns = top_k, max_turns
@@ -59,7 +59,9 @@ class SearchQA:
         can only come from searching and copying, never from recall, and what
         RL learns carries over to the test split.
         """
-        return SearchQA(*self._shape, seed=seed, exclude=self.corpus.names)
+        return SearchQA(
+            *self._corpus_shape, self.top_k, self.max_turns, seed, exclude=self.corpus.names
+        )
 
     def tasks(self, split: str) -> Sequence[Task]:
         return self.corpus.train if check_split(split) == "train" else self.corpus.test
