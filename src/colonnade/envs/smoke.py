@@ -67,8 +67,12 @@ class Smoke:
         return [f"<answer> {task.answers[0] if good else UNSURE}</answer>"]
 
     def tokenizer_texts(self) -> list[str]:
-        lines = [SYSTEM, *(t.question for t in self._by_id.values())]
-        return lines + [f"<answer> {w}</answer>" for w in (*COLOURS, UNSURE)] * 20
+        # Weighted as they occur in episodes (the system prompt opens every
+        # one), so the prompt's words and every reply become whole tokens
+        # under the tiny tokenizer's merge floor.
+        tasks = list(self._by_id.values())
+        lines = [*[SYSTEM] * len(tasks), *(t.question for t in tasks)]
+        return lines + [f"<answer> {w}</answer>" for w in (*COLOURS, UNSURE)] * 50
 
 
 def load_environment(n_tasks: int = 500, seed: int = 0) -> Smoke:

@@ -26,8 +26,18 @@ CHATML_TEMPLATE = (
 )
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (any UTF-8 text round-trips) trained on `texts`."""
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 0
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any UTF-8 text round-trips) trained on `texts`.
+
+    `min_frequency`: a pair is merged into a token only if it occurs that
+    often in `texts`. A model trained from scratch learns a token's embedding
+    only from the examples that hold it; a name seen a dozen times would
+    otherwise become a token of its own, which a held-out name never shares,
+    so the model cannot copy it. With the floor, rare names are spelled in
+    pieces that many names share (syllables, letter pairs, digits).
+    """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} is below the 256 byte symbols + specials")
     tok = Tokenizer(models.BPE())
@@ -37,6 +47,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrai
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=min_frequency,
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
