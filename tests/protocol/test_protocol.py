@@ -1,5 +1,7 @@
 """Protocol v1: keys, schemas of untrusted batches, publishing and following versions."""
 
+import json
+
 import pytest
 import torch
 import zstandard
@@ -96,6 +98,16 @@ def test_run_spec_round_trip_and_validation():
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
     with pytest.raises(SchemaError, match="protocol"):
         RunSpec.from_json(spec.to_json().replace(b'"protocol":1', b'"protocol":9'))
+
+
+def test_run_spec_without_groups_per_step_is_read_as_unpaced():
+    spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {}, groups_per_step=8)
+    assert RunSpec.from_json(spec.to_json()).groups_per_step == 8
+    earlier = json.loads(spec.to_json())
+    del earlier["groups_per_step"]  # run.json of a release before pacing
+    assert RunSpec.from_json(json.dumps(earlier).encode()).groups_per_step == 0
+    with pytest.raises(SchemaError, match="groups_per_step"):
+        RunSpec.from_json(json.dumps({**earlier, "groups_per_step": -1}).encode())
 
 
 def _states(n, seed=0):

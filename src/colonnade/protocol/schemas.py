@@ -77,6 +77,10 @@ class RunSpec:
     sampling: dict[str, Any]
     signed: bool = False  # rollout objects must carry a registered worker's signature
     protocol: int = PROTOCOL_VERSION
+    # Groups the trainer takes per version; workers stop making more of a
+    # version once the store holds that many. 0: unknown (run.json written
+    # before this field existed, which is still read): no pacing.
+    groups_per_step: int = 0
 
     def to_json(self) -> bytes:
         return dumps(asdict(self))
@@ -85,6 +89,7 @@ class RunSpec:
     def from_json(cls, data: bytes) -> RunSpec:
         d = loads(data)
         _need(d.get("protocol") == PROTOCOL_VERSION, f"unsupported protocol {d.get('protocol')!r}")
+        d = {"groups_per_step": 0, **d}  # absent from run.json files of earlier releases
         _same_fields(cls, d, "run.json")
         _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
         _need(isinstance(d["env_kwargs"], dict), "env_kwargs: object")
@@ -101,6 +106,7 @@ class RunSpec:
         for k in ("vocab_size", "group_size", "groups_per_batch", "anchor_every"):
             _need(_int(d[k], 1), f"{k}: positive integer")
         _need(_int(d["max_lag"], 0), "max_lag: integer >= 0")
+        _need(_int(d["groups_per_step"], 0), "groups_per_step: integer >= 0")
         _need(isinstance(d["sampling"], dict), "sampling: object")
         _need(isinstance(d["signed"], bool), "signed: boolean")
         return cls(**d)

@@ -62,6 +62,13 @@ class WorkerConfig:
     engine: str = "auto"  # auto | torch | mlx (auto: MLX on Apple silicon when installed)
     max_batches: int = 0  # 0: until the run is done
     poll_seconds: float = 1.0
+    # Pacing: no more batches of a version once the store holds a step's worth
+    # of its groups. The trainer takes the newest first, so more would be
+    # dropped as stale, and on a machine shared with the trainer they cost it
+    # CPU. A paced worker waits for the next version at most this long, then
+    # makes a batch anyway, so batches the trainer refuses cannot stall the
+    # fleet. 0: never pace.
+    pace_seconds: float = 10.0
     join_timeout: float = 600.0  # how long to wait for run.json
     metrics_port: int | None = None  # serve Prometheus metrics on this port
     key: str = ""  # private key file (`colonnade keys new`); names the worker too
@@ -131,6 +138,7 @@ class Worker:
         exporter = Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "worker", self.id, 10.0, exporter)
         self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0}
+        self.pending_time = {"sync_seconds": 0.0, "paced_seconds": 0.0}
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
@@ -189,7 +197,9 @@ class Worker:
         self._load_weights()
         self.pending["sync_bytes"] += self.follower.bytes_read - read
         log.info("now running v%d (was %s)", self.follower.version, before)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.pending_time["sync_seconds"] += seconds
+        return seconds
 
     def make_batch(self) -> RolloutBatch:
         v = self.follower.version
@@ -246,11 +256,35 @@ class Worker:
     def done(self) -> bool:
         return self.store.exists(keys.DONE)
 
+    def quota_full(self) -> bool:
+        """Whether the store holds a step's worth of groups of our version."""
+        need = self.spec.groups_per_step
+        if not need or self.cfg.pace_seconds <= 0:
+            return False
+        batches = len(self.store.list(keys.rollouts_dir(self.follower.version)))
+        return batches * self.spec.groups_per_batch >= need
+
+    def wait_for_newer(self) -> bool:
+        """Wait up to pace_seconds for a version newer than ours, the run's
+        end or a stop; whether one came (False: make a batch anyway)."""
+        v, t0, delay = self.follower.version, time.monotonic(), 0.05
+        try:
+            while time.monotonic() - t0 < self.cfg.pace_seconds:
+                time.sleep(delay)
+                delay = min(2 * delay, self.cfg.poll_seconds)
+                if self.stop.requested or self.done() or (latest_version(self.store) or 0) > v:
+                    return True
+            return False
+        finally:
+            self.pending_time["paced_seconds"] += time.monotonic() - t0
+
     def iteration(self) -> None:
-        sync_seconds = self.sync()
+        self.sync()
         if self.follower.version is None:
             time.sleep(self.cfg.poll_seconds)
             return
+        if self.quota_full() and self.wait_for_newer():
+            return  # the next iteration syncs to it
         t0 = time.perf_counter()
         batch = self.make_batch()
         key = self.upload(batch)
@@ -258,9 +292,9 @@ class Worker:
         seconds = time.perf_counter() - t0
         log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
         self.heartbeat()
-        self.record(batch, seconds, sync_seconds)
+        self.record(batch, seconds)
 
-    def record(self, batch: RolloutBatch, seconds: float, sync_seconds: float | None) -> None:
+    def record(self, batch: RolloutBatch, seconds: float) -> None:
         newest = latest_version(self.store)
         eps = [e for g in batch.groups for e in g.episodes]
         row = dict(
@@ -271,11 +305,11 @@ class Worker:
             seconds=round(seconds, 3),
             reward_mean=batch.stats.get("reward_claimed", 0.0),
             **self.pending,
+            **{k: round(v, 3) for k, v in self.pending_time.items() if v},
         )
-        if sync_seconds is not None:
-            row["sync_seconds"] = round(sync_seconds, 3)
         self.telemetry.row(**row)
         self.pending = dict.fromkeys(self.pending, 0)
+        self.pending_time = dict.fromkeys(self.pending_time, 0.0)
 
     def run(self) -> int:
         """Loop until the run is done, a signal, or max_batches; the exit status."""

@@ -31,6 +31,11 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "store_retries": ("colonnade_store_retries_total", "counter", "store calls retried"),
     "rejected": ("colonnade_rejected_batches_total", "counter", "batches or groups rejected"),
     "sync_seconds": ("colonnade_sync_seconds", "histogram", "time to sync to a new version"),
+    "paced_seconds": (
+        "colonnade_worker_paced_seconds_total",
+        "counter",
+        "worker time idle because a step's worth of its version was already made",
+    ),
 }
 STALENESS = "colonnade_rollout_staleness"
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

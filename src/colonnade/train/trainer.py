@@ -121,6 +121,7 @@ def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
         precision=cfg.precision,
         group_size=cfg.group_size,
         groups_per_batch=cfg.groups_per_batch,
+        groups_per_step=cfg.groups_per_step,
         max_lag=cfg.max_lag,
         anchor_every=cfg.anchor_every,
         sampling=sp,
