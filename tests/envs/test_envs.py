@@ -1,3 +1,4 @@
+import random
 import sys
 import textwrap
 
@@ -71,6 +72,19 @@ def test_guess_without_search_is_wrong_but_well_formed(sqa):
     task = sqa.tasks("test")[1]
     s = sqa.score(task, ["<answer>aspirin</answer>"])
     assert s.reward == 0.0 and s.metrics["format_ok"] == 1.0 and s.metrics["searched"] == 0.0
+
+
+def test_demonstrations_good_ones_score_one_poor_ones_echo_the_question(sqa):
+    rng = random.Random(0)
+    for task in sqa.tasks("train")[:40]:
+        good = sqa.demonstration(task, True, rng)
+        assert good[0] == f"<search>{task.question}</search>"
+        assert sqa.score(task, good).reward == 1.0
+        poor = sqa.demonstration(task, False, rng)
+        assert len(poor) == 1 and task.info["subject"] in task.question
+        assert poor == [f"<answer> {task.info['subject']}</answer>"]
+        s = sqa.score(task, poor)
+        assert s.reward == 0.0 and s.metrics["format_ok"] == 1.0
 
 
 @pytest.mark.parametrize(

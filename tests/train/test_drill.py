@@ -2,8 +2,15 @@
 
 import pytest
 
+from colonnade.envs import load_environment
 from colonnade.train.sft import collate, copy_drill
-from colonnade.train.warmstart import WarmstartConfig, total_steps
+from colonnade.train.warmstart import (
+    DRILL_BATCH,
+    DRILL_LR,
+    WarmstartConfig,
+    _stages,
+    total_steps,
+)
 
 TEXTS = [
     "The Gallus ostkais gene KVR12 encodes velorin (also called VE-12).",
@@ -74,6 +81,11 @@ def test_drill_steps_default_per_model_and_task_and_count_in_the_total():
     # Demos on the env's own train split unless a practice corpus is asked for.
     assert searchqa.practice_seed == -1
     assert WarmstartConfig(practice_seed=2).resolved().practice_seed == 2
+    # The mixture's rate: tiny on searchqa a third of the skill's, else the same.
+    assert searchqa.mix_lr == pytest.approx(searchqa.lr * 0.3)
+    smoke = WarmstartConfig(model="tiny", env="smoke").resolved()
+    assert smoke.mix_lr == smoke.lr
+    assert WarmstartConfig(env="smoke", mix_lr=1e-5).resolved().mix_lr == 1e-5
     # The drill is part of what the cache key covers.
     a, b = WarmstartConfig(drill_steps=10), WarmstartConfig(drill_steps=20)
     assert a.key("/x/base") != b.key("/x/base")
@@ -90,3 +102,12 @@ def test_practice_needs_an_env_that_can_practise():
     sqa = load_environment("searchqa", n_clusters=20)
     practice = _demo_env(WarmstartConfig(env="searchqa", practice_seed=1).resolved(), sqa)
     assert practice is not sqa and not practice.corpus.names & sqa.corpus.names
+
+
+def test_stages_run_the_drill_the_skill_then_the_mixture_at_their_rates(tiny):
+    _, tok = tiny
+    env = load_environment("smoke", n_tasks=20)
+    cfg = WarmstartConfig(env="smoke", drill_steps=2, steps=4, skill_fraction=0.5, lr=1e-3,
+                          mix_lr=2e-4).resolved()  # fmt: skip
+    stages = [(steps, batch, lr, done) for _, steps, batch, lr, done in _stages(cfg, env, env, tok)]
+    assert stages == [(2, DRILL_BATCH, DRILL_LR, 0), (2, 8, 1e-3, 2), (2, 8, 2e-4, 4)]

@@ -52,11 +52,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--drill-steps",
         type=int,
-        help="copy-drill steps before the demos (default per model and task: 400 for tiny "
+        help="copy-drill steps before the demos (default per model and task: 150 for tiny "
         "on searchqa, else 0)",
     )
     w.add_argument("--batch-size", type=int, help="demos per step (default per model)")
     w.add_argument("--lr", type=float, help="peak learning rate (default per model)")
+    w.add_argument(
+        "--mix-lr",
+        type=float,
+        help="peak learning rate of the mixture stage (default per model and task, else --lr)",
+    )
     w.add_argument(
         "--practice-seed",
         type=int,
@@ -178,6 +183,7 @@ def _warmstart(args: argparse.Namespace) -> int:
         steps=args.steps,
         drill_steps=args.drill_steps,
         practice_seed=args.practice_seed,
+        mix_lr=args.mix_lr,
         skill_fraction=args.skill_fraction,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -132,31 +132,32 @@ def documents(c: Cluster, rng: random.Random) -> list[str]:
 
 
 def questions(c: Cluster, index: int) -> list[Task]:
+    """The cluster's four questions; `subject` in their info is the entity each names."""
     info = {"cluster": str(index), "gene": c.gene}
     return [
         Task(
             f"q{index}-protein",
             f"Which protein is encoded by the gene {c.gene}?",
             (c.protein, c.protein_alias),
-            {**info, "relation": "encodes"},
+            {**info, "relation": "encodes", "subject": c.gene},
         ),
         Task(
             f"q{index}-drug",
             f"Which drug inhibits {c.protein}?",
             (c.drug,),
-            {**info, "relation": "inhibited_by"},
+            {**info, "relation": "inhibited_by", "subject": c.protein},
         ),
         Task(
             f"q{index}-disease",
             f"Which disease is treated with {c.drug}?",
             tuple(dict.fromkeys((c.disease, c.disease_alias))),
-            {**info, "relation": "treats"},
+            {**info, "relation": "treats", "subject": c.drug},
         ),
         Task(
             f"q{index}-organism",
             f"In which organism was the gene {c.gene} first characterized?",
             (c.organism,),
-            {**info, "relation": "characterized_in"},
+            {**info, "relation": "characterized_in", "subject": c.gene},
         ),
     ]
 
