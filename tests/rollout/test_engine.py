@@ -101,9 +101,16 @@ def test_stop_string_split_across_tokens_ends_the_turn(tiny):
     free = SamplingParams(max_turn_tokens=40, max_episode_tokens=40)
     prompts = _prompts(tok)[:1]
     ep = engine.generate(prompts, [lambda t: None], free, seed=5)[0]
-    # Choose a stop string that straddles the boundary between tokens 9 and 10.
-    pieces = [tok.decode([t]) for t in ep.tokens[:12]]
-    stop = pieces[8][-1:] + pieces[9] + pieces[10][:1]
+    # Choose a stop string that straddles two token boundaries: the end of
+    # one token, the whole next one, the start of the one after (tokens that
+    # decode alone to printable text, not to part of a UTF-8 character).
+    pieces = [tok.decode([t]) for t in ep.tokens]
+    j = next(
+        j
+        for j in range(4, len(pieces) - 1)
+        if all(p and p.isascii() and p.isprintable() for p in pieces[j - 1 : j + 2])
+    )
+    stop = pieces[j - 1][-1:] + pieces[j] + pieces[j + 1][:1]
     assert len(stop) >= 3
     seen = []
     stopped = engine.generate(
