@@ -4,16 +4,19 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from colonnade.protocol import RunSpec, keys
+from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import dumps
-from colonnade.rollout.worker import Worker, WorkerConfig
+from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig, pace_quota
 from colonnade.store import LocalStore
 
 
-def _worker(tmp_path, pace_seconds=5.0, groups_per_step=4):
+def _worker(tmp_path, pace_seconds=5.0, groups_per_step=4, max_lag=0):
     store = LocalStore(tmp_path / "run")
     w = Worker(WorkerConfig(id="w1", pace_seconds=pace_seconds, poll_seconds=0.1), store)
-    w.spec = RunSpec("r", "smoke", {}, [], 10, "int8", 4, 2, 1, 10, {},
+    w.spec = RunSpec("r", "smoke", {}, [], 10, "int8", 4, 2, max_lag, 10, {},
                      groups_per_step=groups_per_step)  # fmt: skip
     w.follower = SimpleNamespace(version=3)
     return w, store
@@ -35,6 +38,21 @@ def test_quota_counts_every_workers_batches_of_the_version(tmp_path):
     _batch(store, 3, "w1", 0)
     assert not w.quota_full()  # 1 batch x 2 groups < 4
     _batch(store, 3, "w2", 0)
+    assert w.quota_full()
+
+
+def test_with_stale_groups_usable_the_fleet_makes_two_steps_of_a_version(tmp_path):
+    assert (pace_quota(8, 0), pace_quota(8, 1), pace_quota(8, 2), pace_quota(0, 2)) == (
+        8,
+        16,
+        16,
+        0,
+    )
+    w, store = _worker(tmp_path, max_lag=2)
+    for seq in range(3):
+        _batch(store, 3, "w2", seq)
+    assert not w.quota_full()  # 3 batches x 2 groups < 2 x 4
+    _batch(store, 3, "w1", 0)
     assert w.quota_full()
 
 
@@ -71,3 +89,35 @@ def test_a_stop_or_the_runs_end_ends_the_wait(tmp_path):
     store.delete(keys.DONE)
     w.stop.requested = True
     assert w.wait_for_newer()
+
+
+def test_batches_of_quarantined_workers_fill_no_quota(tmp_path):
+    w, store = _worker(tmp_path)
+    _batch(store, 3, "liar", 0)
+    _batch(store, 3, "liar", 1)
+    store.put(keys.QUARANTINE, dumps({"liar": {"reason": "mismatch KL", "version": 2}}))
+    w.refused = w.read_quarantine()
+    assert w.refused == {"liar"} and not w.quota_full()
+    _batch(store, 3, "w2", 0)
+    _batch(store, 3, "w2", 1)
+    assert w.quota_full()
+
+
+def test_a_quarantined_worker_learns_it_and_says_why(tmp_path):
+    w, store = _worker(tmp_path)
+    assert w.read_quarantine() == set()  # no decisions yet
+    store.put(keys.QUARANTINE, b"not json")
+    assert w.read_quarantine() == set()
+    store.put(keys.QUARANTINE, dumps({"w1": {"reason": "mismatch KL 0.9/token", "version": 4}}))
+    with pytest.raises(Quarantined, match=r"quarantined worker w1 \(mismatch KL 0\.9/token\)"):
+        w.read_quarantine()
+
+
+def test_polls_follow_the_time_between_versions():
+    assert poll_interval(None, 1.0) == 0.05  # nothing seen yet: look soon
+    assert poll_interval(0.3, 1.0) == pytest.approx(0.03)  # smoke: a tenth of a step
+    assert poll_interval(0.05, 1.0) == 0.02  # never more than 50 times a second
+    assert poll_interval(60.0, 1.0) == 1.0  # a slow trainer: every poll_seconds
+    assert poll_interval(None, 0.01) == 0.01
+    assert moving_gap(None, 2.0) == 2.0
+    assert moving_gap(2.0, 1.0) == pytest.approx(1.8)

@@ -83,3 +83,12 @@ def test_on_policy_loss_is_the_policy_gradient():
     out = dppo_loss(logp, logp, adv, torch.tensor([True, True, True]))
     assert out.loss.item() == pytest.approx(float(-(adv * logp).mean()))
     assert out.masked_fraction == 0.0 and out.mismatch_kl == pytest.approx(0.0)
+
+
+def test_warmup_lr_rises_linearly_then_holds():
+    from colonnade.train.trainer import warmup_lr
+
+    assert [warmup_lr(1e-3, v, 4) for v in range(6)] == pytest.approx(
+        [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    )
+    assert warmup_lr(1e-3, 0, 0) == 1e-3  # no warm-up

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from test_samples_and_step import (  # noqa: F401 - sqa fixture below
     _episode,
@@ -10,7 +11,7 @@ from test_samples_and_step import (  # noqa: F401 - sqa fixture below
 )
 
 from colonnade.protocol import GroupRecord
-from colonnade.train.quarantine import QuarantineConfig, accumulate, outliers
+from colonnade.train.quarantine import QuarantineConfig, accumulate, like_for_like, outliers
 from colonnade.train.step import StepConfig, policy_logprobs, train_step
 
 CFG = QuarantineConfig(factor=5.0, min_tokens=100)
@@ -20,25 +21,48 @@ def _s(tokens, kept, kl):
     return {"tokens": tokens, "kept": kept, "kl_sum": kl * tokens}
 
 
+def _judged(step):
+    """outliers() of one step's {worker: {version: stats}}."""
+    return outliers(like_for_like(step), CFG)
+
+
 def test_outliers_rule():
-    honest = {"a": _s(1000, 990, 0.010), "b": _s(1000, 985, 0.012), "c": _s(900, 992, 0.008)}
-    assert outliers(honest, CFG) == {}
-    liar = {**honest, "x": _s(1000, 950, 1.5)}
-    assert list(outliers(liar, CFG)) == ["x"] and "mismatch KL" in outliers(liar, CFG)["x"]
+    honest = {"a": {"3": _s(1000, 990, 0.010)}, "b": {"3": _s(1000, 985, 0.012)},
+              "c": {"3": _s(900, 892, 0.008)}}  # fmt: skip
+    assert _judged(honest) == {}
+    liar = {**honest, "x": {"3": _s(1000, 950, 1.5)}}
+    assert list(_judged(liar)) == ["x"] and "mismatch KL" in _judged(liar)["x"]
     # Negative k1 (claimed log-probs too low) counts by magnitude.
-    assert list(outliers({**honest, "y": _s(1000, 990, -0.9)}, CFG)) == ["y"]
-    gated = {**honest, "g": _s(1000, 500, 0.02)}
-    assert "gate masked" in outliers(gated, CFG)["g"]
+    assert list(_judged({**honest, "y": {"3": _s(1000, 990, -0.9)}})) == ["y"]
+    gated = {**honest, "g": {"3": _s(1000, 500, 0.02)}}
+    assert "gate masked" in _judged(gated)["g"]
     # Too little evidence, a lone worker, quarantine off: no decision.
-    assert outliers({**honest, "x": _s(50, 10, 3.0)}, CFG) == {}
-    assert outliers({"x": _s(1000, 10, 3.0)}, CFG) == {}
-    assert outliers(liar, QuarantineConfig(factor=0)) == {}
+    assert _judged({**honest, "x": {"3": _s(50, 10, 3.0)}}) == {}
+    assert _judged({"x": {"3": _s(1000, 10, 3.0)}}) == {}
+    assert outliers(like_for_like(liar), QuarantineConfig(factor=0)) == {}
     # Two workers: the honest one is never flagged for the liar's figures.
-    assert list(outliers({"a": honest["a"], "x": liar["x"]}, CFG)) == ["x"]
+    assert list(_judged({"a": honest["a"], "x": liar["x"]})) == ["x"]
     total = {}
     accumulate(total, {"a": _s(10, 9, 0.1)})
     accumulate(total, {"a": _s(10, 10, 0.1)})
     assert total["a"] == {"tokens": 20, "kept": 19, "kl_sum": 2.0}
+
+
+def test_a_worker_with_older_batches_is_compared_like_for_like():
+    # π has moved on from v1, so every worker's v1 rows mismatch more than
+    # v3 rows do. Before, a worker whose batches happened to be older than
+    # the other's (0.24 against 0.03) was quarantined; an honest one is not.
+    stale = {"a": {"1": _s(1000, 990, 0.24)}, "b": {"3": _s(1000, 995, 0.03)}}
+    assert like_for_like(stale) == {}  # no version in common: nothing to judge
+    mixed = {"a": {"1": _s(500, 495, 0.24), "3": _s(500, 498, 0.03)},
+             "b": {"1": _s(300, 297, 0.25), "3": _s(700, 696, 0.03)}}  # fmt: skip
+    assert _judged(mixed) == {}
+    t = like_for_like(mixed)["a"]
+    assert t["tokens"] == 1000 and t["kl"] / 1000 == pytest.approx((0.24 + 0.03) / 2)
+    assert t["ref_kl"] / 1000 == pytest.approx((0.25 + 0.03) / 2)
+    # A liar among like batches still stands out, at any staleness.
+    liar = {**mixed, "x": {"1": _s(500, 480, 2.0)}}
+    assert list(_judged(liar)) == ["x"]
 
 
 def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
@@ -69,15 +93,22 @@ def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
     assert abs(by["honest"]["kl_sum"]) / by["honest"]["tokens"] < 1e-4
     assert abs(by["liar"]["kl_sum"]) / by["liar"]["tokens"] > 1.0
     assert sum(w["tokens"] for w in by.values()) == m["tokens"]
-    assert list(outliers(by, QuarantineConfig(min_tokens=1))) == ["liar"]
+    # The same figures per behaviour version, which quarantine compares.
+    per_v = m["gate_by_version"]
+    assert {w: sum(s["tokens"] for s in vs.values()) for w, vs in per_v.items()} == {
+        w: s["tokens"] for w, s in by.items()
+    }
+    totals = like_for_like(per_v)
+    assert list(outliers(totals, QuarantineConfig(min_tokens=1))) == ["liar"]
 
 
 def test_ledger_decides_once_and_remembers():
     from colonnade.train.quarantine import Ledger
 
     ledger = Ledger(CFG)
-    honest = {"a": _s(300, 300, 0.01), "b": _s(300, 299, 0.01)}
-    assert not ledger.judge(1, {**honest, "x": _s(50, 50, 2.0)})  # too little evidence yet
-    assert ledger.judge(2, {"x": _s(100, 100, 2.0)})  # 150 tokens now: decided
+    honest = {"a": {"0": _s(300, 300, 0.01)}, "b": {"0": _s(300, 299, 0.01)}}
+    assert not ledger.judge(1, {**honest, "x": {"0": _s(50, 50, 2.0)}})  # too little yet
+    step = {**honest, "x": {"0": _s(100, 100, 2.0)}}
+    assert ledger.judge(2, step)  # 150 tokens now: decided
     assert list(ledger.decisions) == ["x"] and ledger.decisions["x"]["version"] == 2
-    assert not ledger.judge(3, {"x": _s(100, 100, 2.0)})  # not decided twice
+    assert not ledger.judge(3, step)  # not decided twice

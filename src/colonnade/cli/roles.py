@@ -144,7 +144,7 @@ def _trainer(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import load_config
     from colonnade.model.mlx_llama import MlxUnavailable
-    from colonnade.rollout.worker import Worker, WorkerConfig
+    from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig
 
     from .main import CliError
 
@@ -170,7 +170,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     try:
         return worker.run()
-    except TimeoutError as e:  # no run.json within join_timeout
+    except (TimeoutError, Quarantined) as e:  # no run.json within join_timeout; refused
         raise CliError(str(e)) from None
 
 

@@ -39,7 +39,8 @@ from colonnade.protocol import (
     keys,
     latest_version,
 )
-from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps
+from colonnade.protocol.polling import moving_gap, poll_interval
+from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, dumps, loads
 from colonnade.protocol.signing import load_private, sign
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.store.retry import backoff
@@ -73,6 +74,23 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on this port
     key: str = ""  # private key file (`colonnade keys new`); names the worker too
     seed: int = 0
+
+
+def pace_quota(groups_per_step: int, max_lag: int) -> int:
+    """Groups of one version the fleet makes before waiting for the next.
+
+    Two steps' worth when stale groups are usable (max_lag >= 1): the trainer
+    takes the newest first, and with one step per version it would wait for
+    every version's groups to be made after publishing it (lockstep: the bench
+    showed async no faster than sync). The second step's worth is ready when
+    the trainer comes back, and the groups of the version after are made while
+    it trains. One step when only the newest version's groups are usable.
+    """
+    return groups_per_step * (2 if max_lag >= 1 else 1)
+
+
+class Quarantined(RuntimeError):
+    """The trainer refuses this worker's batches (trainer/quarantine.json)."""
 
 
 class Stop:
@@ -139,6 +157,9 @@ class Worker:
         self.telemetry = Telemetry(self.store, "worker", self.id, 10.0, exporter)
         self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0}
         self.pending_time = {"sync_seconds": 0.0, "paced_seconds": 0.0}
+        self.refused: set[str] = set()  # quarantined workers, read at each new version
+        self.version_gap: float | None = None  # seconds between versions (moving average)
+        self._synced_at = 0.0
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
@@ -195,6 +216,11 @@ class Worker:
         if not self.follower.sync():
             return None
         self._load_weights()
+        self.refused = self.read_quarantine()
+        now = time.monotonic()
+        if before is not None and self.follower.version == before + 1:
+            self.version_gap = moving_gap(self.version_gap, now - self._synced_at)
+        self._synced_at = now
         self.pending["sync_bytes"] += self.follower.bytes_read - read
         log.info("now running v%d (was %s)", self.follower.version, before)
         seconds = time.perf_counter() - t0
@@ -256,22 +282,41 @@ class Worker:
     def done(self) -> bool:
         return self.store.exists(keys.DONE)
 
+    def read_quarantine(self) -> set[str]:
+        """The workers the trainer refuses; raises Quarantined if this is one."""
+        try:
+            doc = loads(self.store.get(keys.QUARANTINE, max_bytes=MAX_JSON_BYTES))
+        except (NotFound, SchemaError):
+            return set()
+        if self.id in doc:
+            why = doc[self.id].get("reason", "") if isinstance(doc[self.id], dict) else ""
+            raise Quarantined(
+                f"the trainer quarantined worker {self.id} ({why}) and refuses its batches; "
+                "check its weights and engine, then rejoin under a new id"
+            )
+        return set(doc)
+
     def quota_full(self) -> bool:
-        """Whether the store holds a step's worth of groups of our version."""
-        need = self.spec.groups_per_step
+        """Whether the store holds `pace_quota` groups of our version (batches
+        of quarantined workers fill no step, so they do not count)."""
+        need = pace_quota(self.spec.groups_per_step, self.spec.max_lag)
         if not need or self.cfg.pace_seconds <= 0:
             return False
-        batches = len(self.store.list(keys.rollouts_dir(self.follower.version)))
+        found = [
+            keys.parse_rollout_key(k)
+            for k in self.store.list(keys.rollouts_dir(self.follower.version))
+        ]
+        batches = sum(1 for f in found if f is not None and f[1] not in self.refused)
         return batches * self.spec.groups_per_batch >= need
 
     def wait_for_newer(self) -> bool:
         """Wait up to pace_seconds for a version newer than ours, the run's
         end or a stop; whether one came (False: make a batch anyway)."""
-        v, t0, delay = self.follower.version, time.monotonic(), 0.05
+        v, t0 = self.follower.version, time.monotonic()
+        delay = poll_interval(self.version_gap, self.cfg.poll_seconds)
         try:
             while time.monotonic() - t0 < self.cfg.pace_seconds:
                 time.sleep(delay)
-                delay = min(2 * delay, self.cfg.poll_seconds)
                 if self.stop.requested or self.done() or (latest_version(self.store) or 0) > v:
                     return True
             return False

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from colonnade.protocol import SchemaError, decode_batch, keys
+from colonnade.protocol.polling import FLOOR, poll_interval
 from colonnade.protocol.signing import SignatureRejected, digest, strip_unsigned, verify
 from colonnade.store import NotFound, ObjectStore
 
@@ -60,6 +61,7 @@ class Collector:
     max_tokens: int
     max_lag: int
     poll_seconds: float = 1.0
+    version_gap: float | None = None  # seconds between versions, set by the trainer
     consumed: set[str] = field(default_factory=set)
     swept_below: int = 0  # versions below this were counted as dropped
     counts: Counter = field(default_factory=Counter)
@@ -173,9 +175,10 @@ class Collector:
                     waited,
                 )
                 last_report = time.monotonic()
-            # Short polls first: a batch is usually seconds away, and a fixed
-            # 1 s poll cost the smoke preset a third of the trainer's time.
-            time.sleep(min(self.poll_seconds, 0.05 * 2**polls))
+            # Short polls first, then a tenth of a version's time: a fixed 1 s
+            # poll cost the smoke preset a third of the trainer's time.
+            cap = poll_interval(self.version_gap, self.poll_seconds)
+            time.sleep(min(cap, FLOOR * 2**polls))
             polls += 1
         out.wait_seconds = time.monotonic() - t0
         return out

@@ -78,6 +78,7 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
     ]
     totals = {"tokens": 0, "kept": 0, "abs_diff": 0.0, "kl": 0.0, "loss": 0.0}
     per_worker: dict[str, dict[str, float]] = {}
+    by_version: dict[str, dict[str, dict[str, float]]] = {}  # worker -> version -> stats
     model.train()
     opt.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
@@ -93,7 +94,7 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         totals["abs_diff"] += out.mean_abs_diff * out.tokens
         totals["kl"] += out.mismatch_kl * out.tokens
         totals["loss"] += float(out.loss_sum.detach())
-        _add_rows(per_worker, samples, out)
+        _add_rows(per_worker, by_version, samples, out)
     kept, tokens = totals["kept"], totals["tokens"]
     grad_norm = 0.0
     if kept:
@@ -117,13 +118,16 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         "mismatch_kl": totals["kl"] / tokens if tokens else 0.0,
         "grad_norm": grad_norm,
         "gate_by_worker": per_worker,
+        "gate_by_version": by_version,  # for quarantine's like-for-like comparison
     }
 
 
-def _add_rows(per_worker: dict, samples: Sequence[Sample], out) -> None:
-    """Sum a micro-batch's per-row gate figures into {worker: tokens, kept, kl_sum}."""
+def _add_rows(per_worker: dict, by_version: dict, samples: Sequence[Sample], out) -> None:
+    """Sum a micro-batch's per-row gate figures into {worker: tokens, kept, kl_sum},
+    and per behaviour version into {worker: {version: ...}}."""
     for s, n, k, kl in zip(samples, out.row_tokens, out.row_kept, out.row_kl_sum, strict=True):
-        w = per_worker.setdefault(s.worker, {"tokens": 0, "kept": 0, "kl_sum": 0.0})
-        w["tokens"] += int(n)
-        w["kept"] += int(k)
-        w["kl_sum"] += float(kl)
+        per_v = by_version.setdefault(s.worker, {})
+        for w in (per_worker.setdefault(s.worker, {}), per_v.setdefault(str(s.version), {})):
+            w["tokens"] = w.get("tokens", 0) + int(n)
+            w["kept"] = w.get("kept", 0) + int(k)
+            w["kl_sum"] = w.get("kl_sum", 0.0) + float(kl)
