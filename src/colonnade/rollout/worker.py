@@ -63,7 +63,7 @@ class WorkerConfig:
     engine: str = "auto"  # auto | torch | mlx (auto: MLX on Apple silicon when installed)
     max_batches: int = 0  # 0: until the run is done
     poll_seconds: float = 1.0
-    # Pacing: no more batches of a version once the store holds a step's worth
+    # Pacing: no more batches of a version once the store holds `pace_quota`
     # of its groups. The trainer takes the newest first, so more would be
     # dropped as stale, and on a machine shared with the trainer they cost it
     # CPU. A paced worker waits for the next version at most this long, then
@@ -209,12 +209,12 @@ class Worker:
             return f"mlx-{self.spec.precision}"
         return f"{self.spec.precision}-{'w8' if self.device.type == 'cpu' else 'float'}"
 
-    def sync(self) -> float | None:
-        """Seconds spent moving to the newest version, or None if already there."""
+    def sync(self) -> None:
+        """Move to the newest version (if there is a newer one)."""
         before, read = self.follower.version, self.follower.bytes_read
         t0 = time.perf_counter()
         if not self.follower.sync():
-            return None
+            return
         self._load_weights()
         self.refused = self.read_quarantine()
         now = time.monotonic()
@@ -223,9 +223,7 @@ class Worker:
         self._synced_at = now
         self.pending["sync_bytes"] += self.follower.bytes_read - read
         log.info("now running v%d (was %s)", self.follower.version, before)
-        seconds = time.perf_counter() - t0
-        self.pending_time["sync_seconds"] += seconds
-        return seconds
+        self.pending_time["sync_seconds"] += time.perf_counter() - t0
 
     def make_batch(self) -> RolloutBatch:
         v = self.follower.version
