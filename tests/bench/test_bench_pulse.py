@@ -33,6 +33,7 @@ def test_quick_run_writes_complete_results(tmp_path, capsys):
         "peak_mem_over_bf16",
     ):
         assert key in row, key
+    assert row["model"] == "llama" and set(data["info"]) == {"llama"}
     assert 0 < row["density"] <= 1 and row["bound_bytes"] > 0
     assert row["trl"] > row["ours"] > 0 and row["full_bytes"] > row["trl"]
     assert row["encode_s"] > 0 and row["full_write_s"] > 0
@@ -58,3 +59,12 @@ def test_entropy_bound_by_hand():
     h = -(0.25 * np.log2(0.25) + 0.75 * np.log2(0.75))
     assert (changed, total) == (2, 8)
     assert abs(bits - 8 * h) < 1e-9  # residual planes are constant: 0 bits
+
+
+def test_publish_stores_a_tied_tensor_once():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as SmolLM2's head is
+    state = bench.publish(torch.nn.ModuleDict({"emb": emb, "head": head}))
+    assert list(state) == ["emb.weight"]
+    assert state["emb.weight"].dtype == torch.bfloat16

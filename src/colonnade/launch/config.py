@@ -35,7 +35,7 @@ class RunConfig:
     warmstart: bool = True
     warmstart_steps: int | None = None  # None: the model's default
     warmstart_drill_steps: int | None = None  # copy drill first; None: per model and task
-    good_fraction: float = 0.35
+    good_fraction: float | None = None  # None: per model and task (warmstart.py)
     eval_n: int = 200  # held-out tasks before and after
     eval_batch: int = 50
     eval_temperature: float = 1.0

@@ -34,38 +34,60 @@ def rice_encode(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     stream is fixed-width.
     """
     v = values.astype(np.uint64, copy=False)
-    q = (v >> np.uint64(k)).astype(np.int64)
-    unary = np.ones(int(q.sum()) + v.size, dtype=np.uint8)
-    unary[np.cumsum(q + 1) - 1] = 0
+    # In place where it can be: the groups of a large tensor run to millions.
+    ends = (v >> np.uint64(k)).view(np.int64)
+    ends += 1
+    np.cumsum(ends, out=ends)
+    unary = np.ones(int(ends[-1]) if ends.size else 0, dtype=np.uint8)
+    ends -= 1
+    unary[ends] = 0
+    del ends
     if k == 0:
         return unary, np.zeros(0, dtype=np.uint8)
-    shifts = np.arange(k - 1, -1, -1, dtype=np.uint64)
-    rem = ((v[:, None] >> shifts) & np.uint64(1)).astype(np.uint8).ravel()
+    # The remainder bits in the narrowest integer that holds k bits (a
+    # uint64 matrix of m x k would be 8 bytes a bit).
+    width = np.uint8 if k <= 8 else np.uint16 if k <= 16 else np.uint64
+    low = (v & np.uint64((1 << k) - 1)).astype(width)
+    shifts = np.arange(k - 1, -1, -1, dtype=width)
+    rem = ((low[:, None] >> shifts) & width(1)).astype(np.uint8, copy=False).ravel()
     return unary, rem
 
 
-class UnaryReader:
-    """Reads unary quotients off one bit stream, group after group.
+def unpack_bits(packed: np.ndarray, start: int, count: int) -> np.ndarray:
+    """Bits [start, start + count) of a packed stream (np.packbits order), unpacked."""
+    lo = start // 8
+    chunk = np.unpackbits(packed[lo : -(-(start + count) // 8)])
+    return chunk[start - 8 * lo : start - 8 * lo + count]
 
-    The stream's zeros are found once; each read is then a slice of them.
+
+class UnaryReader:
+    """Reads unary quotients off one packed bit stream, group after group.
+
+    Unpacks only the stretch each read needs (growing its guess until it
+    holds enough zeros), so a decoder never holds the whole stream a byte
+    per bit.
     """
 
-    def __init__(self, bits: np.ndarray) -> None:
-        self.zeros = np.flatnonzero(bits == 0)
-        self.taken = 0
+    def __init__(self, packed: np.ndarray) -> None:
+        self.packed = packed
+        self.bits_used = 0
+        self._total = 8 * packed.size
 
     def read(self, count: int) -> np.ndarray:
-        if self.taken + count > self.zeros.size:
-            raise ValueError("unary stream ends early")
-        z = self.zeros[max(0, self.taken - 1) : self.taken + count]
-        if self.taken == 0:
-            z = np.concatenate(([-1], z))
-        self.taken += count
-        return (np.diff(z) - 1).astype(np.uint64)
-
-    @property
-    def bits_used(self) -> int:
-        return int(self.zeros[self.taken - 1]) + 1 if self.taken else 0
+        if count == 0:
+            return np.zeros(0, np.uint64)
+        want = 2 * count + 64
+        while True:
+            span = min(want, self._total - self.bits_used)
+            zeros = np.flatnonzero(unpack_bits(self.packed, self.bits_used, span) == 0)
+            if zeros.size >= count:
+                break
+            if span == self._total - self.bits_used:
+                raise ValueError("unary stream ends early")
+            want *= 2
+        z = zeros[:count]
+        self.bits_used += int(z[-1]) + 1
+        return (np.diff(z, prepend=-1) - 1).astype(np.uint64)
 
 
 def fixed_decode(bits: np.ndarray, count: int, k: int) -> np.ndarray:
@@ -81,8 +103,9 @@ def fixed_decode(bits: np.ndarray, count: int, k: int) -> np.ndarray:
 
 def gaps_from_sorted(positions: np.ndarray) -> np.ndarray:
     """Gaps between sorted distinct positions: first position, then steps minus one."""
-    p = positions.astype(np.int64, copy=False)
-    return np.diff(p, prepend=-1).astype(np.uint64) - np.uint64(1)
+    gaps = np.diff(positions.astype(np.int64, copy=False), prepend=-1)
+    gaps -= 1
+    return gaps.view(np.uint64)
 
 
 def sorted_from_gaps(gaps: np.ndarray) -> np.ndarray:
@@ -150,3 +173,29 @@ def from_byte_planes(data: bytes, count: int, size: int) -> np.ndarray:
     planes = np.frombuffer(data, dtype=np.uint8).reshape(size, count)
     dt = np.dtype(f"<u{size}")
     return np.ascontiguousarray(planes.T).view(dt).ravel().astype(dt.newbyteorder("="))
+
+
+class BitSink:
+    """Unpacked bits (uint8 0/1) in, packed bytes out, as np.packbits of the
+    whole stream would give them (MSB first, zero padding at the end).
+
+    Lets a coder emit its streams piece by piece, holding them packed (one
+    bit a bit) instead of a byte per bit until the end.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._pending = np.zeros(0, np.uint8)
+
+    def add(self, bits: np.ndarray) -> None:
+        if bits.size == 0:
+            return
+        buf = np.concatenate((self._pending, bits)) if self._pending.size else bits
+        whole = buf.size - buf.size % 8
+        if whole:
+            self._parts.append(np.packbits(buf[:whole]).tobytes())
+        self._pending = buf[whole:].copy()
+
+    def getvalue(self) -> bytes:
+        tail = np.packbits(self._pending).tobytes() if self._pending.size else b""
+        return b"".join(self._parts) + tail

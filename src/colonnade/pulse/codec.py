@@ -12,7 +12,6 @@ returned. See docs/pulse-format.md for the byte layout.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 import zstandard
 
-from . import positions, residuals
+from . import parallel, positions, residuals
 from .context import choose_context, class_map
 from .format import POSITION_BLOCKS, pack
 from .quant import quantize_state
@@ -100,18 +99,53 @@ def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
     return entry, [packed if use else raw]
 
 
-def _position_code(name, ctx, old_state, ob, mask, changed):
-    """The smallest position code: (code, e0, residual order, residual classes, blocks)."""
+def _rice_pass(ob, nb, cmap, res: residuals.ResidualParts):
+    """Code the positions chunk by chunk, gathering the residuals in the same order."""
+    rice = positions.RiceEncoder(cmap, CHUNK_ELEMS)
+    changed = 0
+    for ci, start, stop in positions.chunk_bounds(ob.size, CHUNK_ELEMS):
+        local = rice.add(ci, start, nb[start:stop])
+        if local.size:
+            changed += local.size
+            res.add(ob[start:stop][local], nb[start:stop][local])
+    return rice, changed
+
+
+def _mask_pass(ob, nb, res: residuals.ResidualParts | None) -> bytes:
+    """The "mask" code, and (given a builder) the residuals in ascending order."""
+    packed = []
+    for _, start, stop in positions.chunk_bounds(ob.size, positions.MASK_STEP):
+        o, n = ob[start:stop], nb[start:stop]
+        part = o != n
+        packed.append(np.packbits(part))
+        if res is not None:
+            local = np.flatnonzero(part)
+            res.add(o[local], n[local])
+    return positions.mask_block(packed, ZSTD_LEVEL)
+
+
+def _encode_changes(name, ctx, old_state, ob, nb, dtype):
+    """(position code, e0, position blocks, residual coding, changed) or None.
+
+    Chunk by chunk, so that the memory beyond the two tensors is one chunk's
+    work plus two small integers per changed element. A dense tensor that
+    might be cheaper as a bitmask pays a second pass to find out (and a third
+    to regather its residuals in the bitmask's order if it is).
+    """
     cmap = class_map(name, ctx, old_state, ob)
-    gg = positions.group_gaps(mask, cmap, CHUNK_ELEMS)
-    code, blocks = "rice", positions.rice_blocks(gg, ZSTD_LEVEL)
-    idx, classes = gg.order, positions.residual_classes(gg.groups)
-    if changed > MASK_TRY_DENSITY * mask.size:
-        m = positions.mask_encode(mask, ZSTD_LEVEL)
+    res = residuals.ResidualParts(dtype, ob.dtype.type)
+    rice, changed = _rice_pass(ob, nb, cmap, res)
+    if changed == 0:
+        return None
+    code, blocks = "rice", rice.blocks(ZSTD_LEVEL)
+    classes = positions.residual_classes(rice.groups)
+    if changed > MASK_TRY_DENSITY * ob.size:
+        m = _mask_pass(ob, nb, None)
         if len(m) < sum(map(len, blocks)):
-            code, idx, blocks = "mask", np.flatnonzero(mask), [m]
-            classes = np.zeros(idx.size, np.uint8)
-    return code, cmap.e0, idx, classes, blocks
+            res = residuals.ResidualParts(dtype, ob.dtype.type)
+            _mask_pass(ob, nb, res)
+            code, blocks, classes = "mask", [m], np.zeros(changed, np.uint8)
+    return code, cmap.e0, blocks, res.encode(classes), changed
 
 
 def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
@@ -120,15 +154,12 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
     if old is None or old.dtype != new.dtype or old.shape != new.shape:
         entry, blocks = _full_entry(name, new)
         return entry, blocks, new.numel()
-    ob, nb = to_bits(old), to_bits(new)
-    mask = ob != nb
-    changed = int(np.count_nonzero(mask))
-    if changed == 0:
-        return None
     dtype = dtype_name(new)
     ctx = choose_context(name, old, old_state)
-    code, e0, idx, classes, pos_blocks = _position_code(name, ctx, old_state, ob, mask, changed)
-    res, layout, res_blocks = residuals.encode_residual(ob[idx], nb[idx], dtype, classes)
+    found = _encode_changes(name, ctx, old_state, to_bits(old), to_bits(new), dtype)
+    if found is None:
+        return None
+    code, e0, pos_blocks, (res, layout, res_blocks), changed = found
     entry = {
         "name": name,
         "op": "patch",
@@ -146,9 +177,13 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
     return entry, blocks, changed
 
 
-def _pool() -> ThreadPoolExecutor:
-    # numpy, zstd and hashlib release the GIL on large buffers: threads pay.
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def hash_thread() -> ThreadPoolExecutor:
+    """One thread for state hashes, beside the per-tensor work (hashlib frees the GIL)."""
+    return ThreadPoolExecutor(max_workers=1)
 
 
 def encode(
@@ -165,11 +200,17 @@ def encode(
     knows the hash of the version it published last), to skip re-hashing.
     """
     old_p, new_p = prepare(old, precision), prepare(new, precision)
-    with _pool() as pool:
+    names = sorted(new_p)
+    sizes = [_nbytes(new_p[n]) for n in names]
+    with hash_thread() as pool:
         base_f = pool.submit(state_sha256, old_p) if base_sha256 is None else None
         res_f = pool.submit(state_sha256, new_p) if result_sha256 is None else None
-        names = sorted(new_p)
-        results = list(pool.map(lambda n: _encode_tensor(n, old_p, new_p[n]), names))
+        results = parallel.budgeted_map(
+            lambda n: _encode_tensor(n, old_p, new_p[n]),
+            names,
+            sizes,
+            parallel.tensor_budget(sizes),
+        )
         base_sha256 = base_sha256 or base_f.result()  # type: ignore[union-attr]
         result_sha256 = result_sha256 or res_f.result()  # type: ignore[union-attr]
     stats = PatchStats(precision, base_sha256=base_sha256, result_sha256=result_sha256)

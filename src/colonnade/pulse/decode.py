@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from . import positions, residuals
-from .codec import State, _pool
+from . import parallel, positions, residuals
+from .codec import State, _nbytes
 from .context import class_map
 from .errors import PatchError
 from .format import POSITION_BLOCKS, unpack
@@ -63,18 +63,46 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     if entry["ctx"] == "rowscale" and name + "::scale" not in base:
         raise ValueError("rowscale context without a scale tensor in the base")
     ob = to_bits(old)
+    changed = entry["changed"]
     n_pos = POSITION_BLOCKS[entry["pos"]]
     if entry["pos"] == "rice":
         cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
-        idx, classes = positions.rice_decode(blocks[:n_pos], ob.size, cmap, chunk)
+        groups = positions.read_groups(blocks[0], ob.size, chunk)
+        classes = positions.residual_classes(groups)
+        if classes.size != changed:
+            raise ValueError(f"positions hold {classes.size} changes, header says {changed}")
+        chunks = positions.rice_chunks(groups, blocks[1:n_pos], ob.size, cmap, chunk)
     else:
-        idx = positions.mask_decode(blocks[0], ob.size)
-        classes = np.zeros(idx.size, np.uint8)
-    if idx.size != entry["changed"]:
-        raise ValueError(f"decoded {idx.size} changed elements, header says {entry['changed']}")
+        classes = np.zeros(changed, np.uint8)
+        chunks = positions.mask_chunks(blocks[0], ob.size)
+    values = residuals.decode_values(entry, blocks[n_pos:], classes, changed, ob.dtype.type)
+    del classes
+    return from_bits(_scatter(entry, ob, chunks, values), entry["dtype"], tuple(old.shape))
+
+
+def _scatter(entry: dict, ob: np.ndarray, chunks, values: np.ndarray) -> np.ndarray:
+    """A copy of the base bits with each chunk's changes rebuilt in place.
+
+    Chunk by chunk, so that no index array spans the whole tensor.
+    """
     nb = ob.copy()
-    nb[idx] = residuals.decode_residual(entry, blocks[n_pos:], ob[idx], classes)
-    return from_bits(nb, entry["dtype"], tuple(old.shape))
+    done = 0
+    for start, local in chunks:
+        if done + local.size > values.size:
+            raise ValueError(f"positions hold more changes than the header's {values.size}")
+        seg = nb[start:]
+        seg[local] = residuals.rebuild(entry, seg[local], values[done : done + local.size])
+        done += local.size
+    if done != values.size:
+        raise ValueError(f"decoded {done} changed elements, header says {values.size}")
+    return nb
+
+
+def _entry_cost(entry: dict, base: State) -> int:
+    old = base.get(entry["name"])
+    if entry["op"] == "patch" and old is not None:
+        return _nbytes(old)
+    return sum(entry["blocks"])
 
 
 def _decode_entry(entry, blocks, base, chunk):
@@ -107,13 +135,14 @@ def apply(
     if not dropped <= set(base):
         raise PatchError("corrupt patch: drops a tensor the base does not have")
     blocks = _split(c.payload, entries)
-    with _pool() as pool:
-        decoded = list(
-            pool.map(
-                lambda eb: _decode_entry(*eb, base, h["chunk_elems"]),
-                zip(entries, blocks, strict=True),
-            )
-        )
+    # A patched tensor's working memory follows its size; a full one's its bytes.
+    costs = [_entry_cost(e, base) for e in entries]
+    decoded = parallel.budgeted_map(
+        lambda eb: _decode_entry(*eb, base, h["chunk_elems"]),
+        list(zip(entries, blocks, strict=True)),
+        costs,
+        parallel.tensor_budget([_nbytes(t) for t in base.values()]),
+    )
     result = {k: v for k, v in base.items() if k not in dropped}
     result.update({e["name"]: t for e, t in zip(entries, decoded, strict=True)})
     got = state_sha256(result)

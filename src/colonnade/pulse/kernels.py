@@ -57,28 +57,25 @@ def _build_numba():
     # full: numba's inlined helpers taking arrays paid reference counting on
     # every call, which made the loops ten times slower.
     @numba.njit(cache=True, nogil=True)
-    def class_ranks(changed, bits, mode, lut, shift, arr):  # pragma: no cover - compiled
-        n = changed.size
-        cls = np.empty(n, np.uint8)
-        if mode == MODE_LUT:
-            for i in range(n):
-                cls[i] = lut[bits[i] >> shift]
-        else:
-            cls[:] = arr[:n]
+    def class_ranks(new, bits, mode, lut, shift, arr):  # pragma: no cover - compiled
+        # Changes and classes are computed twice rather than stored: chunk-sized
+        # mask and class arrays are memory the encoder holds for nothing.
+        n = bits.size
         per_class = np.zeros(N_CLASSES, np.int64)
         for i in range(n):
-            if changed[i]:
-                per_class[cls[i]] += 1
+            if new[i] != bits[i]:
+                per_class[lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]] += 1
         fill = np.zeros(N_CLASSES, np.int64)
         for c in range(1, N_CLASSES):
             fill[c] = fill[c - 1] + per_class[c - 1]
         m = fill[N_CLASSES - 1] + per_class[N_CLASSES - 1]
-        order = np.empty(m, np.int64)
-        ranks = np.empty(m, np.int64)
+        # int32: chunk-local (a chunk is far below 2^31 elements), half the memory.
+        order = np.empty(m, np.int32)
+        ranks = np.empty(m, np.int32)
         counts = np.zeros(N_CLASSES, np.int64)
         for i in range(n):
-            c = cls[i]
-            if changed[i]:
+            c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
+            if new[i] != bits[i]:
                 order[fill[c]] = i
                 ranks[fill[c]] = counts[c]
                 fill[c] += 1
@@ -102,7 +99,7 @@ def _build_numba():
         # want_start[c] to want_start[c+1]; returns their element indices.
         ptr = want_start[:N_CLASSES].copy()
         seen = np.zeros(N_CLASSES, np.int64)
-        out = np.empty(want.size, np.int64)
+        out = np.empty(want.size, np.int32)
         for i in range(n):
             c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
             p = ptr[c]
@@ -146,16 +143,17 @@ def _args(bits: np.ndarray, src: ClassSource) -> tuple:
 
 
 def class_ranks(
-    changed: np.ndarray, bits: np.ndarray, src: ClassSource, classes_fn, backend: str | None = None
+    bits: np.ndarray, new: np.ndarray, src: ClassSource, classes_fn, backend: str | None = None
 ):
     """(order, ranks, class sizes, changed per class) of one chunk's changes.
 
-    bits: the chunk's base bits; classes_fn(): the chunk's classes as an
-    array, asked for only by the numpy path.
+    bits: the chunk's base bits; new: its new bits (an element changed where
+    they differ); classes_fn(): the chunk's classes as an array, asked for
+    only by the numpy path.
     """
     if _use_numba(backend):
-        return _NUMBA[0](changed, *_args(bits, src))
-    return _numpy_class_ranks(changed, classes_fn())
+        return _NUMBA[0](new, *_args(bits, src))
+    return _numpy_class_ranks(bits != new, classes_fn())
 
 
 def class_counts(

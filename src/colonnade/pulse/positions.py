@@ -10,13 +10,12 @@ Two codes, the cheaper chosen per tensor:
   split into quotient and remainder streams decodes without a sequential loop.
 - "mask": a bitmask over the whole tensor, zstd-compressed; for dense changes.
 
-Both return the changed indices in the order the residuals are stored: class
-major within each chunk for "rice", ascending for "mask".
+Both are built and read a chunk at a time (memory), and both give the changed
+indices in the order the residuals are stored: class major within each chunk
+for "rice", ascending for "mask".
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -26,6 +25,8 @@ from colonnade import untrusted
 from . import bitcodes, kernels
 from .context import N_CLASSES, ClassMap
 
+# Slices a bitmask is unpacked in (a multiple of 8: whole bytes).
+MASK_STEP = 1 << 22
 GROUP_DTYPE = np.dtype(
     [
         ("chunk", "<u4"),
@@ -36,13 +37,6 @@ GROUP_DTYPE = np.dtype(
         ("count", "<u4"),
     ]
 )
-
-
-@dataclass
-class GroupedGaps:
-    groups: np.ndarray  # GROUP_DTYPE rows, one per (chunk, class) with any change
-    gaps: list[np.ndarray]  # per row, the gaps of its coded ranks
-    order: np.ndarray  # changed indices, in residual order
 
 
 def _chunk_groups(order_cls: np.ndarray, ranks: np.ndarray, counts: np.ndarray):
@@ -60,58 +54,62 @@ def _complement(ranks: np.ndarray, size: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-def group_gaps(changed_mask: np.ndarray, cmap: ClassMap, chunk: int) -> GroupedGaps:
-    """Rank gaps per (chunk, class), the ranks inverted where more than half changed."""
-    rows, gaps, order = [], [], []
-    for ci, start in enumerate(range(0, changed_mask.size, chunk)):
-        stop = min(changed_mask.size, start + chunk)
-        part = changed_mask[start:stop]
-        if not part.any():
-            continue
-        chunk_order, ranks_all, counts, per_class = kernels.class_ranks(
-            part,
-            cmap.bits[start:stop],
-            cmap.source(start, stop),
-            lambda start=start, stop=stop: cmap.classes(start, stop),
+def chunk_bounds(n: int, chunk: int):
+    """(chunk number, start, stop) over a flattened tensor of n elements."""
+    for ci, start in enumerate(range(0, n, chunk)):
+        yield ci, start, min(n, start + chunk)
+
+
+class RiceEncoder:
+    """The "rice" position code of one tensor, built chunk by chunk.
+
+    Each chunk's ranks are Rice-coded as soon as they are known and kept as
+    packed bits, so the memory beyond the tensors is one chunk's working set
+    plus the (small) output, never index arrays over the whole tensor.
+    """
+
+    def __init__(self, cmap: ClassMap, chunk: int) -> None:
+        self.cmap, self.chunk = cmap, chunk
+        self._rows: list[tuple[int, int, int, int, int, int]] = []
+        self._unary, self._rem = bitcodes.BitSink(), bitcodes.BitSink()
+
+    def add(self, ci: int, start: int, new: np.ndarray) -> np.ndarray:
+        """Code the changes of one chunk (new: its new bits over the base's).
+
+        Returns the chunk-local indices of its changes in residual order
+        (empty if nothing changed, and then nothing is coded).
+        """
+        stop = start + new.size
+        order, ranks_all, counts, per_class = kernels.class_ranks(
+            self.cmap.bits[start:stop],
+            new,
+            self.cmap.source(start, stop),
+            lambda: self.cmap.classes(start, stop),
         )
-        order.append(chunk_order + start)
-        order_cls = np.repeat(np.arange(N_CLASSES), per_class)
+        order_cls = np.repeat(np.arange(N_CLASSES, dtype=np.uint8), per_class)
         for c, size, ranks in _chunk_groups(order_cls, ranks_all, counts):
             invert = 2 * ranks.size > size
-            gaps.append(bitcodes.gaps_from_sorted(_complement(ranks, size) if invert else ranks))
-            rows.append((ci, c, 0, int(invert), 0, ranks.size))
-    return GroupedGaps(
-        np.array(rows, dtype=GROUP_DTYPE),
-        gaps,
-        np.concatenate(order) if order else np.zeros(0, np.int64),
-    )
+            gaps = bitcodes.gaps_from_sorted(_complement(ranks, size) if invert else ranks)
+            k = bitcodes.best_rice_k(gaps)
+            unary, rem = bitcodes.rice_encode(gaps, k)
+            self._unary.add(unary)
+            self._rem.add(rem)
+            self._rows.append((ci, c, k, int(invert), 0, ranks.size))
+        return order
+
+    @property
+    def groups(self) -> np.ndarray:
+        return np.array(self._rows, dtype=GROUP_DTYPE)
+
+    def blocks(self, level: int) -> list[bytes]:
+        """[groups, unary quotients, remainders]."""
+        table = zstandard.ZstdCompressor(level=level).compress(self.groups.tobytes())
+        return [table, self._unary.getvalue(), self._rem.getvalue()]
 
 
 def residual_classes(groups: np.ndarray) -> np.ndarray:
     """Context class of every residual, in residual order (class-major per chunk)."""
     return np.repeat(groups["cls"], groups["count"].astype(np.int64))
-
-
-def _cat(xs: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(xs) if xs else np.zeros(0, dtype)
-
-
-def rice_blocks(gg: GroupedGaps, level: int) -> list[bytes]:
-    """[groups, unary quotients, remainders], a Rice parameter fitted per group."""
-    rows = gg.groups.copy()
-    unary, rem = [], []
-    for i, gaps in enumerate(gg.gaps):
-        k = bitcodes.best_rice_k(gaps)
-        u, r = bitcodes.rice_encode(gaps, k)
-        rows["k"][i] = k
-        unary.append(u)
-        rem.append(r)
-    cctx = zstandard.ZstdCompressor(level=level)
-    return [
-        cctx.compress(rows.tobytes()),
-        np.packbits(_cat(unary, np.uint8)).tobytes(),
-        np.packbits(_cat(rem, np.uint8)).tobytes(),
-    ]
 
 
 def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
@@ -135,13 +133,15 @@ def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
 class _RiceReader:
     def __init__(self, blocks: list[memoryview]) -> None:
         self.blocks = blocks
-        self.unary = bitcodes.UnaryReader(np.unpackbits(np.frombuffer(blocks[0], np.uint8)))
-        self.rem = np.unpackbits(np.frombuffer(blocks[1], dtype=np.uint8))
+        self.unary = bitcodes.UnaryReader(np.frombuffer(blocks[0], np.uint8))
+        self.rem = np.frombuffer(blocks[1], dtype=np.uint8)
         self.r_off = 0
 
     def read(self, count: int, k: int) -> np.ndarray:
         q = self.unary.read(count)
-        r = bitcodes.fixed_decode(self.rem[self.r_off :], count, k)
+        if self.r_off + count * k > 8 * self.rem.size:
+            raise ValueError("remainder stream ends early")
+        r = bitcodes.fixed_decode(bitcodes.unpack_bits(self.rem, self.r_off, count * k), count, k)
         self.r_off += count * k
         return (q << np.uint64(k)) | r
 
@@ -152,13 +152,19 @@ class _RiceReader:
             raise ValueError("position streams have unused bytes")
 
 
-def rice_decode(
-    blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Changed indices in residual order and their classes; ValueError on any inconsistency."""
-    groups = _unpack_groups(bytes(blocks[0]), n, chunk)
-    reader = _RiceReader(blocks[1:3])
-    out = []
+def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
+    """The checked group table of a "rice" code; ValueError if inconsistent."""
+    return _unpack_groups(bytes(block), n, chunk)
+
+
+def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int):
+    """Per chunk with changes: (start, chunk-local changed indices in residual order).
+
+    One chunk at a time, so a decoder never holds index arrays over the whole
+    tensor. ValueError on any inconsistency (raised once all chunks are read
+    for unused stream bytes).
+    """
+    reader = _RiceReader(blocks)
     for ci in np.unique(groups["chunk"]):
         start = int(ci) * chunk
         stop = min(n, start + chunk)
@@ -183,24 +189,26 @@ def rice_decode(
                 raise ValueError("rank beyond its class")
             classes.append(c)
             parts.append(_complement(ranks, size) if g["invert"] else ranks)
-        out.append(
-            kernels.scatter_ranks(stop - start, bits, src, classes_fn, classes, parts) + start
-        )
+        yield start, kernels.scatter_ranks(stop - start, bits, src, classes_fn, classes, parts)
     reader.check_used()
-    idx = np.concatenate(out) if out else np.zeros(0, np.int64)
-    return idx, residual_classes(groups)
 
 
-def mask_encode(changed_mask: np.ndarray, level: int) -> bytes:
-    return zstandard.ZstdCompressor(level=level).compress(np.packbits(changed_mask).tobytes())
+def mask_block(packed: list[np.ndarray], level: int) -> bytes:
+    """The "mask" code from each chunk's np.packbits (chunks a multiple of 8 long)."""
+    return zstandard.ZstdCompressor(level=level).compress(b"".join(p.tobytes() for p in packed))
 
 
-def mask_decode(block: memoryview, n: int) -> np.ndarray:
+def mask_chunks(block: memoryview, n: int):
+    """Per slice of the tensor with changes: (start, slice-local changed indices, ascending)."""
     raw = _decompress(bytes(block), -(-n // 8))
     if len(raw) != -(-n // 8):
         raise ValueError("bitmask has the wrong length")
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=n)
-    return np.flatnonzero(bits)
+    packed = np.frombuffer(raw, dtype=np.uint8)
+    for _, start, stop in chunk_bounds(n, MASK_STEP):
+        bits = np.unpackbits(packed[start // 8 : -(-stop // 8)], count=stop - start)
+        local = np.flatnonzero(bits)
+        if local.size:
+            yield start, local
 
 
 def _decompress(block: bytes, expected: int | None) -> bytes:

@@ -179,7 +179,7 @@ def encode_values(values: np.ndarray, classes: np.ndarray) -> bytes:
 
 def decode_values(data: bytes, classes: np.ndarray) -> np.ndarray:
     """Values (1..16; 16 = escape) of `classes.size` symbols; ValueError if short."""
-    out = np.empty(classes.size, np.uint64)
+    out = np.empty(classes.size, np.uint8)  # values are 1..16
     used = _DEC_V(np.frombuffer(data, np.uint8), classes.astype(np.uint8, copy=False), out)
     if used < 0:
         raise ValueError("range-coded residuals end early")

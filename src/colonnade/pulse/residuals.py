@@ -44,31 +44,53 @@ def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor)
     return [rangecoder.encode_values(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
 
 
-def _candidates(old, new, dtype, classes, cctx):
-    """(transform, layout, blocks) worth trying, lazily.
+def _take(parts: list[np.ndarray], dtype) -> np.ndarray:
+    """The parts as one array; the list is emptied so the pieces can be freed."""
+    out = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    parts.clear()
+    return out
 
-    With the compiled range coder, the key delta in `rc` wins on every
-    optimizer step we measured; XOR planes stay as the fallback for changes
-    that are not small moves (new random values, flipped bits). Without it,
-    the zstd layouts of both transforms compete.
+
+class ResidualParts:
+    """The two residual transforms of one tensor's changes, gathered chunk by chunk.
+
+    Only the transforms are kept (the old and new bits of a chunk's changes
+    are dropped once transformed), so an encoder holds two small integers per
+    changed element, not index arrays.
     """
-    delta = bitcodes.zigzag(_key(new, dtype) - _key(old, dtype))
-    xor = old ^ new
-    yield "xor", "planes", [cctx.compress(bitcodes.byte_planes(xor))]
-    if rangecoder.COMPILED:
-        yield "delta", "rc", _rc(delta, classes, cctx)
-        return
-    yield "delta", "planes", [cctx.compress(bitcodes.byte_planes(delta))]
-    yield "delta", "sym2", _sym2(delta, cctx)
-    yield "xor", "sym2", _sym2(xor, cctx)
 
+    def __init__(self, dtype: str, ut: type) -> None:
+        self.dtype, self.ut = dtype, ut
+        self._xor: list[np.ndarray] = []
+        self._delta: list[np.ndarray] = []
 
-def encode_residual(
-    old: np.ndarray, new: np.ndarray, dtype: str, classes: np.ndarray
-) -> tuple[str, str, list[bytes]]:
-    """(transform, layout, blocks) of the smallest coding of new given old."""
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    return min(_candidates(old, new, dtype, classes, cctx), key=lambda c: sum(map(len, c[2])))
+    def add(self, old: np.ndarray, new: np.ndarray) -> None:
+        self._xor.append(old ^ new)
+        self._delta.append(bitcodes.zigzag(_key(new, self.dtype) - _key(old, self.dtype)))
+
+    def encode(self, classes: np.ndarray) -> tuple[str, str, list[bytes]]:
+        """(transform, layout, blocks) of the smallest coding tried (see _candidates)."""
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return min(self._candidates(classes, cctx), key=lambda c: sum(map(len, c[2])))
+
+    def _candidates(self, classes, cctx):
+        """(transform, layout, blocks) worth trying, lazily.
+
+        With the compiled range coder, the key delta in `rc` wins on every
+        optimizer step we measured; XOR planes stay as the fallback for changes
+        that are not small moves (new random values, flipped bits). Without it,
+        the zstd layouts of both transforms compete.
+        """
+        xor = _take(self._xor, self.ut)
+        yield "xor", "planes", [cctx.compress(bitcodes.byte_planes(xor))]
+        if rangecoder.COMPILED:
+            del xor  # before the delta is joined: one transform in memory at a time
+            yield "delta", "rc", _rc(_take(self._delta, self.ut), classes, cctx)
+            return
+        delta = _take(self._delta, self.ut)
+        yield "delta", "planes", [cctx.compress(bitcodes.byte_planes(delta))]
+        yield "delta", "sym2", _sym2(delta, cctx)
+        yield "xor", "sym2", _sym2(xor, cctx)
 
 
 def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:
@@ -95,19 +117,21 @@ def _unrc(blocks: list[memoryview], classes: np.ndarray, ut: type) -> np.ndarray
     return values
 
 
-def decode_residual(
-    entry: dict, blocks: list[memoryview], old: np.ndarray, classes: np.ndarray
+def decode_values(
+    entry: dict, blocks: list[memoryview], classes: np.ndarray, count: int, ut: type
 ) -> np.ndarray:
-    """New bits of the changed elements whose old bits are `old`."""
-    ut = old.dtype.type
-    size = old.dtype.itemsize
+    """The `count` coded residual values (classes: each one's context class)."""
     if entry["rlayout"] == "rc":
-        values = _unrc(blocks, classes, ut)
-    elif entry["rlayout"] == "sym2":
-        values = _unsym2(blocks, old.size, ut)
-    else:
-        raw = decompress(bytes(blocks[0]), old.size * size)
-        values = bitcodes.from_byte_planes(raw, old.size, size).astype(ut, copy=False)
+        return _unrc(blocks, classes, ut)
+    if entry["rlayout"] == "sym2":
+        return _unsym2(blocks, count, ut)
+    size = np.dtype(ut).itemsize
+    raw = decompress(bytes(blocks[0]), count * size)
+    return bitcodes.from_byte_planes(raw, count, size).astype(ut, copy=False)
+
+
+def rebuild(entry: dict, old: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """New bits of the changed elements whose old bits are `old`."""
     if entry["res"] == "xor":
         return old ^ values
     dtype = entry["dtype"]

@@ -1,0 +1,87 @@
+"""Running the per-tensor work of a patch on threads, within a memory budget.
+
+numpy, zstd, hashlib and the compiled kernels release the GIL on large
+buffers, so threads pay. But a tensor's working memory grows with its size,
+and running the two largest tensors of a model at once (a 32k-vocabulary
+embedding and its output head are over half of a small model) would hold
+both working sets at the same time. `budgeted_map` starts an item only while
+the items in flight stay within a cost budget, taking the costliest items
+that fit first; an item over the budget runs alone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def workers() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def tensor_budget(sizes: Sequence[int]) -> int:
+    """Bytes of tensors in flight at once: the largest, plus an eighth of the state.
+
+    Enough for small tensors to run beside a large one, never two of the
+    largest together in a small model; a large model (hundreds of tensors)
+    still keeps every thread busy.
+    """
+    return max(sizes, default=0) + sum(sizes) // 8
+
+
+def budgeted_map(
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    costs: Sequence[int],
+    budget: int,
+    n_workers: int | None = None,
+) -> list[R]:
+    """[fn(item) for item in items] on threads, with at most `budget` of cost in flight.
+
+    Results come back in the order of `items`; the first exception raised by
+    fn is re-raised once the running items have finished (no new ones start).
+    """
+    order = sorted(range(len(items)), key=lambda i: -costs[i])
+    results: list[R | None] = [None] * len(items)
+    errors: list[BaseException] = []
+    cond = threading.Condition()
+    in_flight = 0
+
+    def take() -> int | None:
+        nonlocal in_flight
+        with cond:
+            while order and not errors:
+                for j, i in enumerate(order):
+                    if in_flight == 0 or in_flight + costs[i] <= budget:
+                        del order[j]
+                        in_flight += costs[i]
+                        return i
+                cond.wait()
+            return None
+
+    def work() -> None:
+        nonlocal in_flight
+        while (i := take()) is not None:
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:
+                with cond:
+                    errors.append(e)
+            finally:
+                with cond:
+                    in_flight -= costs[i]
+                    cond.notify_all()
+
+    threads = [threading.Thread(target=work) for _ in range(n_workers or workers())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results  # type: ignore[return-value]

@@ -1,0 +1,76 @@
+import threading
+import time
+
+import pytest
+
+from colonnade.pulse.parallel import budgeted_map, tensor_budget
+
+
+class Tracker:
+    """fn for budgeted_map that records the cost in flight whenever an item runs."""
+
+    def __init__(self, costs):
+        self.costs, self.lock = costs, threading.Lock()
+        self.in_flight, self.seen, self.alone = 0, [], []
+
+    def __call__(self, i):
+        with self.lock:
+            self.in_flight += self.costs[i]
+            self.seen.append(self.in_flight)
+            self.alone.append((i, self.in_flight == self.costs[i]))
+        time.sleep(0.002)
+        with self.lock:
+            self.in_flight -= self.costs[i]
+        return i * 10
+
+
+def test_results_in_order_and_budget_respected():
+    costs = [5, 1, 8, 3, 3, 2, 7, 1, 1, 4] * 3
+    track = Tracker(costs)
+    out = budgeted_map(track, list(range(len(costs))), costs, budget=9, n_workers=4)
+    assert out == [i * 10 for i in range(len(costs))]
+    assert max(track.seen) <= 9
+    assert len(track.seen) == len(costs)
+
+
+def test_item_over_budget_runs_alone():
+    costs = [1, 1, 50, 1, 1, 1]
+    track = Tracker(costs)
+    budgeted_map(track, list(range(len(costs))), costs, budget=4, n_workers=3)
+    assert dict(track.alone)[2] is True
+
+
+def test_small_items_run_beside_a_large_one():
+    # The budget lets one large item and small ones overlap (threads stay
+    # busy): the large item waits for a small one to start while it runs.
+    small_started = threading.Event()
+
+    def fn(i):
+        if i == 0:
+            return small_started.wait(timeout=10)
+        small_started.set()
+        return True
+
+    costs = [10, 1, 1, 1]
+    assert budgeted_map(fn, [0, 1, 2, 3], costs, budget=12, n_workers=2)[0] is True
+
+
+def test_first_error_is_raised_and_no_new_items_start():
+    started = []
+
+    def fn(i):
+        started.append(i)
+        if i == 0:
+            raise ValueError("boom")
+        return i
+
+    costs = [100] + [1] * 20  # the costliest runs first, alone, and fails
+    with pytest.raises(ValueError, match="boom"):
+        budgeted_map(fn, list(range(21)), costs, budget=50, n_workers=2)
+    assert started == [0]
+
+
+def test_empty_input_and_budget_rule():
+    assert budgeted_map(lambda x: x, [], [], budget=1) == []
+    assert tensor_budget([32, 8, 8, 16]) == 32 + 64 // 8
+    assert tensor_budget([]) == 0
