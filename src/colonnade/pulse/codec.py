@@ -133,7 +133,7 @@ def _encode_changes(name, ctx, old_state, ob, nb, dtype):
     to regather its residuals in the bitmask's order if it is).
     """
     cmap = class_map(name, ctx, old_state, ob)
-    res = residuals.ResidualParts(dtype, ob.dtype.type)
+    res = residuals.ResidualParts(dtype, ob.dtype.type, ob.size)
     rice, changed = _rice_pass(ob, nb, cmap, res)
     if changed == 0:
         return None
@@ -142,7 +142,7 @@ def _encode_changes(name, ctx, old_state, ob, nb, dtype):
     if changed > MASK_TRY_DENSITY * ob.size:
         m = _mask_pass(ob, nb, None)
         if len(m) < sum(map(len, blocks)):
-            res = residuals.ResidualParts(dtype, ob.dtype.type)
+            res = residuals.ResidualParts(dtype, ob.dtype.type, ob.size)
             _mask_pass(ob, nb, res)
             code, blocks, classes = "mask", [m], np.zeros(changed, np.uint8)
     return code, cmap.e0, blocks, res.encode(classes), changed

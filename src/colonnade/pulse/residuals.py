@@ -44,29 +44,30 @@ def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor)
     return [rangecoder.encode_values(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
 
 
-def _take(parts: list[np.ndarray], dtype) -> np.ndarray:
-    """The parts as one array; the list is emptied so the pieces can be freed."""
-    out = np.concatenate(parts) if parts else np.zeros(0, dtype)
-    parts.clear()
-    return out
-
-
 class ResidualParts:
     """The two residual transforms of one tensor's changes, gathered chunk by chunk.
 
     Only the transforms are kept (the old and new bits of a chunk's changes
     are dropped once transformed), so an encoder holds two small integers per
-    changed element, not index arrays.
+    changed element, not index arrays. They go into two arrays sized for the
+    whole tensor but touched only as far as they are filled: untouched pages
+    take no memory, and one mapping per array (rather than a piece per chunk
+    among the chunks' temporaries) lets the allocator give those back.
     """
 
-    def __init__(self, dtype: str, ut: type) -> None:
+    def __init__(self, dtype: str, ut: type, capacity: int) -> None:
         self.dtype, self.ut = dtype, ut
-        self._xor: list[np.ndarray] = []
-        self._delta: list[np.ndarray] = []
+        self._xor = np.empty(capacity, ut)
+        self._delta = np.empty(capacity, ut)
+        self.size = 0
 
     def add(self, old: np.ndarray, new: np.ndarray) -> None:
-        self._xor.append(old ^ new)
-        self._delta.append(bitcodes.zigzag(_key(new, self.dtype) - _key(old, self.dtype)))
+        end = self.size + old.size
+        np.bitwise_xor(old, new, out=self._xor[self.size : end])
+        self._delta[self.size : end] = bitcodes.zigzag(
+            _key(new, self.dtype) - _key(old, self.dtype)
+        )
+        self.size = end
 
     def encode(self, classes: np.ndarray) -> tuple[str, str, list[bytes]]:
         """(transform, layout, blocks) of the smallest coding tried (see _candidates)."""
@@ -81,13 +82,11 @@ class ResidualParts:
         that are not small moves (new random values, flipped bits). Without it,
         the zstd layouts of both transforms compete.
         """
-        xor = _take(self._xor, self.ut)
+        xor, delta = self._xor[: self.size], self._delta[: self.size]
         yield "xor", "planes", [cctx.compress(bitcodes.byte_planes(xor))]
         if rangecoder.COMPILED:
-            del xor  # before the delta is joined: one transform in memory at a time
-            yield "delta", "rc", _rc(_take(self._delta, self.ut), classes, cctx)
+            yield "delta", "rc", _rc(delta, classes, cctx)
             return
-        delta = _take(self._delta, self.ut)
         yield "delta", "planes", [cctx.compress(bitcodes.byte_planes(delta))]
         yield "delta", "sym2", _sym2(delta, cctx)
         yield "xor", "sym2", _sym2(xor, cctx)
