@@ -101,7 +101,7 @@ def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
 
 def _rice_pass(ob, nb, cmap, res: residuals.ResidualParts):
     """Code the positions chunk by chunk, gathering the residuals in the same order."""
-    rice = positions.RiceEncoder(cmap, CHUNK_ELEMS)
+    rice = positions.RiceEncoder(cmap)
     changed = 0
     for ci, start, stop in positions.chunk_bounds(ob.size, CHUNK_ELEMS):
         local = rice.add(ci, start, nb[start:stop])
@@ -111,17 +111,21 @@ def _rice_pass(ob, nb, cmap, res: residuals.ResidualParts):
     return rice, changed
 
 
-def _mask_pass(ob, nb, res: residuals.ResidualParts | None) -> bytes:
-    """The "mask" code, and (given a builder) the residuals in ascending order."""
-    packed = []
+def _mask_block(ob, nb) -> bytes:
+    """The "mask" code, its bitmask built slice by slice."""
+    packed = [
+        np.packbits(ob[start:stop] != nb[start:stop])
+        for _, start, stop in positions.chunk_bounds(ob.size, positions.MASK_STEP)
+    ]
+    return positions.mask_block(packed, ZSTD_LEVEL)
+
+
+def _gather_ascending(ob, nb, res: residuals.ResidualParts) -> None:
+    """The residuals in the bitmask's order (ascending), slice by slice."""
     for _, start, stop in positions.chunk_bounds(ob.size, positions.MASK_STEP):
         o, n = ob[start:stop], nb[start:stop]
-        part = o != n
-        packed.append(np.packbits(part))
-        if res is not None:
-            local = np.flatnonzero(part)
-            res.add(o[local], n[local])
-    return positions.mask_block(packed, ZSTD_LEVEL)
+        local = np.flatnonzero(o != n)
+        res.add(o[local], n[local])
 
 
 def _encode_changes(name, ctx, old_state, ob, nb, dtype):
@@ -140,10 +144,10 @@ def _encode_changes(name, ctx, old_state, ob, nb, dtype):
     code, blocks = "rice", rice.blocks(ZSTD_LEVEL)
     classes = positions.residual_classes(rice.groups)
     if changed > MASK_TRY_DENSITY * ob.size:
-        m = _mask_pass(ob, nb, None)
+        m = _mask_block(ob, nb)
         if len(m) < sum(map(len, blocks)):
             res = residuals.ResidualParts(dtype, ob.dtype.type, ob.size)
-            _mask_pass(ob, nb, res)
+            _gather_ascending(ob, nb, res)
             code, blocks, classes = "mask", [m], np.zeros(changed, np.uint8)
     return code, cmap.e0, blocks, res.encode(classes), changed
 
@@ -181,7 +185,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def hash_thread() -> ThreadPoolExecutor:
+def _hash_thread() -> ThreadPoolExecutor:
     """One thread for state hashes, beside the per-tensor work (hashlib frees the GIL)."""
     return ThreadPoolExecutor(max_workers=1)
 
@@ -202,7 +206,7 @@ def encode(
     old_p, new_p = prepare(old, precision), prepare(new, precision)
     names = sorted(new_p)
     sizes = [_nbytes(new_p[n]) for n in names]
-    with hash_thread() as pool:
+    with _hash_thread() as pool:
         base_f = pool.submit(state_sha256, old_p) if base_sha256 is None else None
         res_f = pool.submit(state_sha256, new_p) if result_sha256 is None else None
         results = parallel.budgeted_map(
@@ -218,7 +222,7 @@ def encode(
     for name, r in zip(names, results, strict=True):
         t = new_p[name]
         stats.elements += t.numel()
-        stats.full_bytes += t.numel() * t.element_size()
+        stats.full_bytes += _nbytes(t)
         if r is None:
             continue
         entry, bl, changed = r

@@ -68,8 +68,8 @@ class RiceEncoder:
     plus the (small) output, never index arrays over the whole tensor.
     """
 
-    def __init__(self, cmap: ClassMap, chunk: int) -> None:
-        self.cmap, self.chunk = cmap, chunk
+    def __init__(self, cmap: ClassMap) -> None:
+        self.cmap = cmap
         self._rows: list[tuple[int, int, int, int, int, int]] = []
         self._unary, self._rem = bitcodes.BitSink(), bitcodes.BitSink()
 
@@ -112,8 +112,9 @@ def residual_classes(groups: np.ndarray) -> np.ndarray:
     return np.repeat(groups["cls"], groups["count"].astype(np.int64))
 
 
-def _unpack_groups(block: bytes, n: int, chunk: int) -> np.ndarray:
-    raw = _decompress(block, None)
+def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
+    """The checked group table of a "rice" code; ValueError if inconsistent."""
+    raw = _decompress(bytes(block), None)
     if len(raw) % GROUP_DTYPE.itemsize:
         raise ValueError("group table has a partial row")
     g = np.frombuffer(raw, dtype=GROUP_DTYPE)
@@ -150,11 +151,6 @@ class _RiceReader:
             self.blocks[1]
         ):
             raise ValueError("position streams have unused bytes")
-
-
-def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
-    """The checked group table of a "rice" code; ValueError if inconsistent."""
-    return _unpack_groups(bytes(block), n, chunk)
 
 
 def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int):
