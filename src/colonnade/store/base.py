@@ -8,11 +8,17 @@ is visible only once its marker is written with it).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 from .errors import InvalidKey, ObjectTooLarge
 
 DEFAULT_MAX_BYTES = 8 << 30
 MAX_KEY_BYTES = 1024
+# Objects from this size up go as multipart uploads and ranged downloads (S3)
+# or streamed copies (local): S3 refuses a single PUT over 5 GiB, and a
+# checkpoint or anchor must not need to fit in memory twice.
+DEFAULT_MULTIPART_BYTES = 64 << 20
+MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
 
 
 def check_key(key: str) -> str:
@@ -40,8 +46,15 @@ def check_prefix(prefix: str) -> str:
 class ObjectStore(ABC):
     """get / put / put_if_absent / exists / size / list / delete, size-bounded."""
 
-    def __init__(self, *, max_put_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self.max_put_bytes = max_put_bytes
+    def __init__(
+        self,
+        *,
+        max_put_bytes: int = DEFAULT_MAX_BYTES,
+        multipart_bytes: int = DEFAULT_MULTIPART_BYTES,
+    ) -> None:
+        if multipart_bytes < MIN_PART_BYTES:
+            raise ValueError(f"multipart_bytes must be >= {MIN_PART_BYTES} (S3's smallest part)")
+        self.max_put_bytes, self.multipart_bytes = max_put_bytes, multipart_bytes
 
     @property
     @abstractmethod
@@ -70,6 +83,24 @@ class ObjectStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; no error if it is missing."""
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a file of any size, streamed (multipart above `multipart_bytes`).
+
+        For the trainer's own large objects (checkpoint shards, anchors): no
+        `max_put_bytes` cap, and the object is visible only once complete.
+        """
+
+    @abstractmethod
+    def get_file(self, key: str, path: Path, *, max_bytes: int | None = None) -> int:
+        """Download to `path` (a temp file beside it, then a rename), streamed or
+        in ranged GETs; the bytes written. NotFound; ObjectTooLarge above max_bytes."""
+
+    @abstractmethod
+    def clean_partial(self, prefix: str, before: float) -> int:
+        """Remove unfinished uploads under `prefix` begun before `before` (epoch
+        seconds), which a killed writer leaves behind unseen; how many."""
 
     def exists(self, key: str) -> bool:
         from .errors import NotFound

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from .base import ObjectStore, check_key, check_prefix
 from .errors import NotFound, StoreError
 
 TMP_PREFIX = ".tmp-"
+CHUNK = 8 << 20
 
 
 class LocalStore(ObjectStore):
@@ -32,12 +34,18 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _write_temp(self, path: Path, data: bytes) -> str:
+    def _write_temp(self, path: Path, data: bytes | Path) -> str:
+        """A fsynced temp file beside `path` holding `data` (bytes, or a file's
+        contents copied in a stream)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                if isinstance(data, Path):
+                    with data.open("rb") as src:
+                        shutil.copyfileobj(src, f, CHUNK)
+                else:
+                    f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -72,6 +80,50 @@ class LocalStore(ObjectStore):
             Path(tmp).unlink(missing_ok=True)
             raise StoreError(f"{self.url}: {key} is a directory of other keys") from None
         self._fsync_dir(path.parent)
+
+    def put_file(self, key: str, path: Path) -> None:
+        target = self._path(key)
+        tmp = self._write_temp(target, Path(path))
+        try:
+            os.replace(tmp, target)
+        except IsADirectoryError:
+            Path(tmp).unlink(missing_ok=True)
+            raise StoreError(f"{self.url}: {key} is a directory of other keys") from None
+        self._fsync_dir(target.parent)
+
+    def get_file(self, key: str, path: Path, *, max_bytes: int | None = None) -> int:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(self._path(key), "rb") as src:
+                size = os.fstat(src.fileno()).st_size
+                self._check_size(key, size, max_bytes)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX)
+                try:
+                    with os.fdopen(fd, "wb") as out:
+                        shutil.copyfileobj(src, out, CHUNK)
+                    os.replace(tmp, path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(f"{self.url}: no object {key}") from None
+        return size
+
+    def clean_partial(self, prefix: str, before: float) -> int:
+        check_prefix(prefix)
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.root / head if head else self.root):
+            for name in files:
+                p = Path(dirpath) / name
+                rel = p.relative_to(self.root).as_posix()
+                if name.startswith(TMP_PREFIX) and rel.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        if p.stat().st_mtime < before:
+                            p.unlink()
+                            removed += 1
+        return removed
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._check_put(key, data)

@@ -7,16 +7,28 @@ bounded number of times (with the defaults, an unreachable endpoint fails in
 well under 30 s). Whatever is left after the retries is mapped to one typed
 error naming the store and key. `put_if_absent` is a conditional PUT
 (`If-None-Match: *`), which S3, R2, MinIO and SeaweedFS all enforce.
+
+Objects from `multipart_bytes` up go through boto3's transfer manager:
+multipart uploads (each part a request with the client's retries; a failed
+upload is aborted) and ranged, concurrent downloads. A writer killed
+mid-upload leaves an unfinished upload that no reader sees;
+`clean_partial` aborts such uploads (a bucket lifecycle rule for
+incomplete multipart uploads does the same for prefixes nobody cleans).
 """
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import boto3
+import boto3.exceptions
 import botocore.exceptions as bexc
+import s3transfer.exceptions
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from .base import ObjectStore, check_key, check_prefix
@@ -32,6 +44,8 @@ _TRANSPORT = (
     bexc.ConnectionClosedError,
     bexc.ResponseStreamingError,
 )
+# What the transfer manager raises once a part has used up its retries.
+_TRANSFER = (boto3.exceptions.S3UploadFailedError, s3transfer.exceptions.RetriesExceededError)
 
 
 class S3Store(ObjectStore):
@@ -62,6 +76,11 @@ class S3Store(ObjectStore):
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region or "us-east-1", config=config
         )
+        self.transfer = TransferConfig(
+            multipart_threshold=self.multipart_bytes,
+            multipart_chunksize=self.multipart_bytes,
+            max_concurrency=4,
+        )
 
     @property
     def url(self) -> str:
@@ -77,6 +96,10 @@ class S3Store(ObjectStore):
             return fn()
         except bexc.ClientError as e:
             raise self._map(e, what, key) from None
+        except _TRANSFER as e:
+            if any(code in str(e) for code in _DENIED):
+                raise AccessDenied(f"{self.url}: {what} {key}: access denied ({e})") from None
+            raise StoreUnavailable(f"{self.url}: {what} {key}: transfer failed ({e})") from None
         except _TRANSPORT as e:
             raise StoreUnavailable(
                 f"{self.url}: {what} {key}: unreachable after retries ({e})"
@@ -133,7 +156,65 @@ class S3Store(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         self._check_put(key, data)
         k = self._k(key)
+        if len(data) >= self.multipart_bytes:
+            # BytesIO over bytes shares the buffer: no second copy.
+            self._call(
+                "put",
+                key,
+                lambda: self.client.upload_fileobj(
+                    io.BytesIO(data), self.bucket, k, Config=self.transfer
+                ),
+            )
+            return
         self._call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=k, Body=data))
+
+    def put_file(self, key: str, path: Path) -> None:
+        k = self._k(key)
+        self._call(
+            "put_file",
+            key,
+            lambda: self.client.upload_file(str(path), self.bucket, k, Config=self.transfer),
+        )
+
+    def get_file(self, key: str, path: Path, *, max_bytes: int | None = None) -> int:
+        size = self.size(key)
+        self._check_size(key, size, max_bytes)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        k = self._k(key)
+        # download_file writes a temp file beside `path` and renames it.
+        self._call(
+            "get_file",
+            key,
+            lambda: self.client.download_file(self.bucket, k, str(path), Config=self.transfer),
+        )
+        got = path.stat().st_size
+        if got != size:  # replaced while we read it: never hand back a mix
+            path.unlink(missing_ok=True)
+            raise StoreUnavailable(f"{self.url}: get_file {key}: size changed during download")
+        return got
+
+    def clean_partial(self, prefix: str, before: float) -> int:
+        check_prefix(prefix)
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+        def uploads() -> list[dict]:
+            pager = self.client.get_paginator("list_multipart_uploads")
+            pages = pager.paginate(Bucket=self.bucket, Prefix=full)
+            return [u for page in pages for u in page.get("Uploads", [])]
+
+        removed = 0
+        for u in self._call("clean_partial", prefix, uploads):
+            if u["Initiated"].timestamp() < before:
+                self._call(
+                    "abort_multipart_upload",
+                    u["Key"],
+                    lambda u=u: self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    ),
+                )
+                removed += 1
+        return removed
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._check_put(key, data)
