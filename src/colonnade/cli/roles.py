@@ -26,8 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="update the weights from workers' rollouts and publish versions",
         description="Run the trainer: writes run.json once, publishes v0, then for each "
         "version collects rollout groups of versions >= v - max_lag, recomputes rewards, "
-        "takes a GRPO step with the DPPO gate and publishes v+1 as a PULSE patch. "
-        "Resumes from its checkpoint when the run exists.",
+        "takes a GRPO step with the DPPO gate and publishes v+1 as a PULSE patch (in the "
+        "background, while the next step runs). Resumes from its checkpoint when the run "
+        "exists. On several GPUs (FSDP2): torchrun --nproc-per-node N -m colonnade trainer ...",
     )
     _common(t)
     t.add_argument("--preset", help="named defaults: smoke | searchqa")
@@ -36,6 +37,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-versions", type=int, help="stop after publishing this version")
     t.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag (0: on-policy)")
     t.add_argument("--precision", choices=["int8", "bf16"], help="of published weights")
+    t.add_argument(
+        "--device",
+        choices=["auto", "cuda", "mps", "cpu"],
+        help="where the trainer computes (default auto: CUDA, then MPS, then CPU); under "
+        "torchrun each rank takes the GPU of its local rank",
+    )
+    t.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        help="compute precision (default auto: bf16 on CUDA, fp32 elsewhere); bf16 keeps "
+        "fp32 master weights and Adam states",
+    )
+    t.add_argument(
+        "--grad-ckpt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="activation checkpointing of every decoder layer (default: on for CUDA)",
+    )
+    t.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 8192)")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--group-size", type=int, help="episodes per task (G)")
     t.add_argument("--groups-per-step", type=int, help="groups per optimizer step")
@@ -114,6 +134,10 @@ def _trainer(args: argparse.Namespace) -> int:
             "max_versions",
             "max_lag",
             "precision",
+            "device",
+            "dtype",
+            "grad_ckpt",
+            "micro_tokens",
             "lr",
             "group_size",
             "groups_per_step",

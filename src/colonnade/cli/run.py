@@ -17,6 +17,17 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="preset (tiny, smollm2-135m), model directory or hub name")
     p.add_argument("--workers", type=int, help="rollout worker processes (default 2)")
     p.add_argument("--threads", type=int, help="torch threads per process (default 1)")
+    p.add_argument(
+        "--trainer-ranks",
+        type=int,
+        help="trainer processes (default 1); from 2 up the trainer runs under torchrun with "
+        "FSDP2 (one per GPU on CUDA, gloo on the CPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "mps", "cpu"],
+        help="the trainer's device (default auto); workers take [worker] device",
+    )
     p.add_argument("--max-versions", type=int, help="versions the trainer publishes")
     p.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag")
     p.add_argument("--eval-n", type=int, help="held-out tasks evaluated before and after (0: none)")
@@ -81,7 +92,9 @@ def _resolved(args: argparse.Namespace):
 
     from .main import CliError
 
-    trainer = {k: v for k in ("max_versions", "max_lag") if (v := getattr(args, k)) is not None}
+    trainer = {
+        k: v for k in ("max_versions", "max_lag", "device") if (v := getattr(args, k)) is not None
+    }
     flags = {
         k: getattr(args, k)
         for k in (
@@ -92,6 +105,7 @@ def _resolved(args: argparse.Namespace):
             "model",
             "workers",
             "threads",
+            "trainer_ranks",
             "eval_n",
             "metrics_port",
             "warmstart",

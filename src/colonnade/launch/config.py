@@ -32,6 +32,7 @@ class RunConfig:
     endpoint_url: str | None = None
     workers: int = 2
     threads: int = 1  # torch threads per process (2 cores: 1 each)
+    trainer_ranks: int = 1  # from 2 up: torchrun, FSDP2 (gloo on the CPU)
     warmstart: bool = True
     warmstart_steps: int | None = None  # None: the model's default
     warmstart_drill_steps: int | None = None  # copy drill first; None: per model and task
@@ -111,6 +112,8 @@ def resolve_run_config(
     role_configs(cfg)  # fail now, not in a child process, on a bad table
     if cfg.workers < 0 or cfg.threads < 1 or cfg.eval_n < 0 or cfg.eval_batch < 1:
         raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
+    if cfg.trainer_ranks < 1:
+        raise ValueError("trainer_ranks must be >= 1")
     return cfg
 
 

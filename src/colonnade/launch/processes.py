@@ -37,13 +37,21 @@ class Child:
             return ""
 
 
-def spawn(name: str, args: list[str], log_dir: Path, threads: int) -> Child:
-    """`colonnade ARGS` as a child process, its output in log_dir/name.log."""
+def spawn(name: str, args: list[str], log_dir: Path, threads: int, ranks: int = 1) -> Child:
+    """`colonnade ARGS` as a child process, its output in log_dir/name.log.
+
+    With `ranks` > 1, under torchrun (one node, a free port): SIGTERM to the
+    child reaches torchrun, which passes it to every rank.
+    """
     log = log_dir / f"{name}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    head = [sys.executable, "-m", "colonnade.cli.main"]
+    if ranks > 1:
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(ranks), "-m", "colonnade"]  # fmt: skip
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "colonnade.cli.main", *args],
+            [*head, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -98,9 +98,8 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
         for i in range(cfg.workers):
             if not (Path(trainer.worker_keys) / f"w{i + 1}.key").exists():
                 new_keypair(f"w{i + 1}", Path(trainer.worker_keys))
-    children = [
-        spawn("trainer", ["trainer", "--config", str(out / "trainer.toml")], logs, cfg.threads)
-    ]
+    trainer_args = ["trainer", "--config", str(out / "trainer.toml")]
+    children = [spawn("trainer", trainer_args, logs, cfg.threads, cfg.trainer_ranks)]
     deadline = time.monotonic() + 300
     while not store.exists(keys.RUN):
         if not children[0].alive:
@@ -175,6 +174,7 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
         "model": cfg.model,
         "env": cfg.env,
         "workers": cfg.workers,
+        "trainer_ranks": cfg.trainer_ranks,
         "started": started,
         "status": "running",
         "out": str(out),

@@ -2,7 +2,7 @@
 
 from .device import pick_device
 from .int8 import int8_state, load_dequantized, load_int8, publishable_state, tied_aliases
-from .loading import cache_root, load_model, resolve_model
+from .loading import cache_root, load_model, local_model_dir, resolve_model
 from .logprobs import gather_logprobs, sequence_logprobs
 from .presets import PRESETS, TinySpec
 
@@ -15,6 +15,7 @@ __all__ = [
     "load_dequantized",
     "load_int8",
     "load_model",
+    "local_model_dir",
     "pick_device",
     "publishable_state",
     "resolve_model",

@@ -93,6 +93,30 @@ def resolve_model(
     return name
 
 
+# What a causal LM needs from a hub repository: weights, config, tokenizer.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def local_model_dir(path: str) -> Path:
+    """A directory holding the model's files: `path` itself, or a hub name
+    fetched into the Hugging Face cache (a ValueError in one line where the
+    hub cannot provide it: offline, unknown, gated)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=HUB_FILES, etag_timeout=30))
+    except Exception as e:  # any failure to fetch is the same answer to the user
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"model {path!r} is not a local directory and the Hugging Face hub could not "
+            f"provide it ({type(e).__name__}: {reason}); fetch it where the hub is reachable "
+            f"(`hf download {path} --local-dir DIR`) and pass DIR"
+        ) from None
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer) from a directory or hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,53 +1,108 @@
-"""Trainer checkpoints in the store: fp32 weights, AdamW state, the cursor.
+"""Trainer checkpoints in the store, sharded with torch.distributed.checkpoint.
 
-A checkpoint for version v is `trainer/checkpoints/{v}/` holding
-`model.safetensors`, `optim.safetensors` and `state.json`, the last written
-with put-if-absent: a checkpoint without it is ignored. Safetensors, not
-torch.save: a checkpoint is data, never code.
+A checkpoint of version v is `trainer/checkpoints/{v}/`: one safetensors
+shard per rank and `state.json`, which rank 0 writes last, with
+put-if-absent, once every rank's shard is up; a checkpoint without it is
+ignored. Shards are DCP's HuggingFace storage format: each rank's slices of
+every tensor, the slices' offsets in the file's JSON header. No pickle
+anywhere (DCP's default format pickles its metadata), so a checkpoint is
+data, never code.
+
+What is saved: the fp32 master weights and AdamW's moments and step
+counts. Not the learning rate, which the trainer sets every step from the
+version. Loading reads whatever slices each rank needs from every shard, so
+a run resumes on any number of ranks: DCP reshards (tested 2 ranks → 1).
+
+Every rank writes its shard to a local staging folder and uploads it
+(`put_file`: streamed, multipart when large); on resume the first process
+of each machine downloads the shards once for the ranks beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import shutil
+from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from colonnade.protocol import keys
 from colonnade.store import NotFound, ObjectStore
 
+from .distributed import Dist
+from .policy import PREFIX
+
+log = logging.getLogger("colonnade.trainer")
 STATE = "state.json"
+FORMAT = "dcp-safetensors-1"
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """AdamW's per-parameter state as named tensors (`names`: id(param) -> name)."""
-    out = {}
+def init_adam_state(opt: torch.optim.Optimizer) -> None:
+    """Give every parameter AdamW's state as a fresh optimizer would hold it
+    after zero steps. DCP needs allocated tensors to save and load; its own
+    initialisation takes a zero-gradient step, which counts as a step in
+    Adam's bias correction and would halve the run's first real update."""
     for group in opt.param_groups:
         for p in group["params"]:
-            for k, v in opt.state.get(p, {}).items():
-                t = v if torch.is_tensor(v) else torch.tensor(float(v))
-                out[f"{names[id(p)]}::{k}"] = t.detach().cpu().contiguous()
-    return out
+            if p.requires_grad and not opt.state.get(p):
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
 
-def load_optimizer_tensors(opt, tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor]):
-    for key, t in tensors.items():
-        name, _, k = key.rpartition("::")
-        if name not in params:
-            raise ValueError(f"checkpoint has optimizer state for unknown parameter {name!r}")
-        p = params[name]
-        opt.state[p][k] = t.to(p.device) if k != "step" else t.clone()
+def _state_dicts(policy, opt, aliases: dict[str, str]) -> tuple[dict, list]:
+    """({"model": …, "optim": …} of DCP-shardable tensors, AdamW's param groups)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    init_adam_state(opt)
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    # A tied head is one parameter under two names: saved once.
+    model_sd = {k: v for k, v in model_sd.items() if k.removeprefix(PREFIX) not in aliases}
+    return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_checkpoint(store: ObjectStore, version: int, model, opt, state: dict) -> None:
-    params = dict(model.named_parameters())
-    names = {id(p): n for n, p in params.items()}
+def staging_dir(root: Path, store: ObjectStore, what: str) -> Path:
+    """A local folder named by the store and `what`: the same on every rank
+    of a machine, different for different runs."""
+    tag = hashlib.sha256(store.url.encode()).hexdigest()[:12]
+    return Path(root) / f"{tag}-{what}"
+
+
+def save_checkpoint(
+    store: ObjectStore,
+    version: int,
+    policy,
+    opt,
+    where: Dist,
+    staging: Path,
+    aliases: dict[str, str],
+    facts: dict,
+) -> None:
+    """Collective: every rank saves and uploads its shard; rank 0 commits."""
+    import torch.distributed.checkpoint as dcp
+
+    sd, _ = _state_dicts(policy, opt, aliases)
+    local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
+    shutil.rmtree(local, ignore_errors=True)
+    dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(str(local), save_distributed=True))
     prefix = keys.checkpoint_dir(version)
-    weights = {n: p.detach().cpu().contiguous() for n, p in params.items()}
-    store.put(prefix + "model.safetensors", st_save(weights))
-    store.put(prefix + "optim.safetensors", st_save(optimizer_tensors(opt, names)))
-    store.put_if_absent(prefix + STATE, json.dumps({**state, "version": version}).encode())
+    for f in sorted(local.glob("*.safetensors")):
+        store.put_file(prefix + f.name, f)
+    shutil.rmtree(local, ignore_errors=True)
+    where.barrier()  # every shard is up
+    if where.leader:
+        shards = {
+            k.rsplit("/", 1)[1]: store.size(k)
+            for k in store.list(prefix)
+            if k.endswith(".safetensors")
+        }
+        doc = {**facts, "version": version, "format": FORMAT, "ranks": where.world,
+               "shards": shards}  # fmt: skip
+        store.put_if_absent(prefix + STATE, json.dumps(doc).encode())
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:
@@ -55,21 +110,73 @@ def latest_checkpoint(store: ObjectStore) -> int | None:
     return max((int(k.split("/")[2]) for k in done), default=None)
 
 
-def load_checkpoint(store: ObjectStore, version: int, model, opt) -> dict:
-    """Restore weights and optimizer in place; the saved state dict."""
+def read_state(store: ObjectStore, version: int) -> dict:
     prefix = keys.checkpoint_dir(version)
     try:
         state = json.loads(store.get(prefix + STATE, max_bytes=1 << 20))
-        weights = st_load(store.get(prefix + "model.safetensors"))
-        optim = st_load(store.get(prefix + "optim.safetensors"))
-    except NotFound as e:
-        raise RuntimeError(f"checkpoint v{version} is incomplete: {e}") from None
-    params = dict(model.named_parameters())
-    missing = set(params) - set(weights)
-    if missing:
-        raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:3]}")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(weights[n])
-    load_optimizer_tensors(opt, optim, params)
+    except NotFound:
+        raise RuntimeError(f"checkpoint v{version} is incomplete (no {STATE})") from None
+    if state.get("format") != FORMAT:
+        raise RuntimeError(
+            f"checkpoint v{version} is in format {state.get('format', 'unsharded-1')!r}; this "
+            f"trainer reads {FORMAT!r} (written by colonnade since the FSDP2 trainer)"
+        )
     return state
+
+
+def load_checkpoint(
+    store: ObjectStore,
+    version: int,
+    policy,
+    opt,
+    where: Dist,
+    staging: Path,
+    aliases: dict[str, str],
+) -> dict:
+    """Collective: restore weights and AdamW state in place; the saved state.json."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = read_state(store, version)
+    local = staging_dir(staging, store, f"load-{version:08d}")
+    if where.local_rank == 0:
+        shutil.rmtree(local, ignore_errors=True)
+        for name, size in state["shards"].items():
+            store.get_file(keys.checkpoint_dir(version) + name, local / name, max_bytes=size)
+    where.barrier()
+    sd, groups = _state_dicts(policy, opt, aliases)
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(local)))
+    # strict=False: only the tied head's second name is absent, on purpose.
+    set_state_dict(
+        policy,
+        opt,
+        model_state_dict=sd["model"],
+        optim_state_dict={"state": sd["optim"], "param_groups": groups},
+        options=StateDictOptions(strict=False),
+    )
+    where.barrier()
+    if where.local_rank == 0:
+        shutil.rmtree(local, ignore_errors=True)
+    if state["ranks"] != where.world:
+        log.info("checkpoint v%d: saved by %d ranks, resharded to %d", version,
+                 state["ranks"], where.world)  # fmt: skip
+    return state
+
+
+def prune_checkpoints(store: ObjectStore, keep: int) -> int:
+    """Delete all but the newest `keep` complete checkpoints (and any older
+    incomplete ones); how many were removed."""
+    done = sorted({int(k.split("/")[2]) for k in store.list("trainer/checkpoints/")})
+    complete = [v for v in done if store.exists(keys.checkpoint_dir(v) + STATE)]
+    if keep < 1 or len(complete) <= keep:
+        return 0
+    cutoff = complete[-keep]
+    removed = 0
+    for v in (v for v in done if v < cutoff):
+        prefix = keys.checkpoint_dir(v)
+        # state.json first: a half-deleted checkpoint is then ignored, never loaded.
+        store.delete(prefix + STATE)
+        for k in store.list(prefix):
+            store.delete(k)
+        removed += 1
+    return removed

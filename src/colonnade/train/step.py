@@ -1,10 +1,18 @@
 """One RL step: advantages per group, π's log-probs, the DPPO loss, AdamW.
 
-Sequences are left-padded so that every row's generated tokens sit at the
-end: only those positions' logits are computed (`logits_to_keep`), which
-spares the prompt's share of the vocabulary projection. The loss is summed
-over micro-batches and the gradient divided by the total of kept tokens at
-the end, which is exactly the mean over unmasked tokens of the whole step.
+On one device or across ranks, the same path:
+
+1. rank 0 scores the groups (GRPO advantages; a group of equal rewards is
+   skipped) and packs the samples into micro-batches by a token budget
+   (`batching`), which it hands to every rank as tensors;
+2. every rank runs its micro-batches: log π of the generated tokens
+   (`Policy`), the DPPO loss summed over kept tokens, backward; under FSDP
+   the gradients are reduced once, on the last micro-batch;
+3. the ranks sum their counts, and the gradient is divided by the total of
+   kept tokens: exactly the mean over unmasked tokens of the whole step,
+   whatever the split (FSDP's reduction averages over ranks, hence the
+   factor `world`);
+4. clip the global norm, step.
 """
 
 from __future__ import annotations
@@ -14,59 +22,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colonnade.model.logprobs import gather_logprobs
-
 from .advantages import group_advantages
+from .batching import Packed, micro_inputs, pack
+from .distributed import Dist
 from .loss import GateConfig, dppo_loss
+from .policy import as_policy
 from .samples import Sample
+
+# The step's sums, in this order, reduced over ranks in one tensor.
+TOKENS, KEPT, ABS_DIFF, KL, LOSS = range(5)
 
 
 @dataclass(frozen=True)
 class StepConfig:
     temperature: float = 1.0  # the workers' sampling temperature
     scale_by_std: bool = False
-    micro_batch: int = 8
+    micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
     max_grad_norm: float = 1.0
     gate: GateConfig = field(default_factory=GateConfig)
 
 
-def left_pad(samples: Sequence[Sample], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    width = max(len(s.ids) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    for r, s in enumerate(samples):
-        ids[r, width - len(s.ids) :] = torch.tensor(s.ids)
-        mask[r, width - len(s.ids) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    return ids.to(device), mask.to(device), positions.to(device)
-
-
 def policy_logprobs(model, samples: Sequence[Sample], pad_id: int, temperature: float):
     """[B, G] log π of each sample's generated tokens, right-aligned (G = longest)."""
-    device = next(model.parameters()).device
-    ids, mask, positions = left_pad(samples, pad_id, device)
-    gen = max(len(s.ids) - s.prompt_len for s in samples)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=gen + 1)
-    logits = out.logits[:, :-1]  # position t predicts token t+1
-    return gather_logprobs(logits, ids[:, -gen:], temperature if temperature > 0 else 1.0)
+    policy = as_policy(model)
+    device = next(policy.parameters()).device
+    rows = [(s.ids, s.from_model, s.behaviour_logp, 0.0) for s in samples]
+    x = micro_inputs(rows, pad_id, device)
+    return policy(x.ids, x.mask, x.positions, x.targets, temperature if temperature > 0 else 1.0)
 
 
-def _aligned(samples: Sequence[Sample], adv: Sequence[float], gen: int):
-    """Behaviour log-probs, advantages and model masks, right-aligned to `gen`."""
-    b = len(samples)
-    mu = torch.zeros((b, gen), dtype=torch.float32)
-    a = torch.zeros((b, gen), dtype=torch.float32)
-    model = torch.zeros((b, gen), dtype=torch.bool)
-    for r, (s, adv_r) in enumerate(zip(samples, adv, strict=True)):
-        n = len(s.from_model)
-        mu[r, gen - n :] = torch.tensor(s.behaviour_logp)
-        model[r, gen - n :] = torch.tensor(s.from_model)
-        a[r, gen - n :] = adv_r
-    return mu, a, model
-
-
-def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg: StepConfig):
-    """Update `model` on these groups; the step's metrics."""
+def _scored(groups: Sequence[Sequence[Sample]], cfg: StepConfig):
+    """(rewards per group, skipped count, (sample, advantage) pairs to train on)."""
     rewards = [[s.score.reward for s in g] for g in groups]
     ga = group_advantages(rewards, scale_by_std=cfg.scale_by_std)
     # A skipped group has no advantages: it contributes no samples.
@@ -76,56 +62,123 @@ def train_step(model, opt, groups: Sequence[Sequence[Sample]], pad_id: int, cfg:
         if adv
         for s, a in zip(g, adv, strict=True)
     ]
-    totals = {"tokens": 0, "kept": 0, "abs_diff": 0.0, "kl": 0.0, "loss": 0.0}
+    return rewards, ga.skipped, pairs
+
+
+def _idle_pass(policy, pad_id: int, device) -> None:
+    """A forward and backward that change nothing: a rank with fewer samples
+    still joins FSDP's gathers and reductions."""
+    ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+    ones = torch.ones_like(ids)
+    (policy(ids, ones, ones.cumsum(-1) - 1, ids[:, -1:]).sum() * 0.0).backward()
+
+
+def _accumulate(policy, packed: Packed, pad_id: int, cfg: StepConfig, where: Dist):
+    """This rank's micro-batches, backward; (sums [5], per-sample [N, 3]) of
+    tokens, kept tokens and Σ(log m − log p), for this rank's samples."""
+    device = next(policy.parameters()).device
+    sums = torch.zeros(5, dtype=torch.float64)
+    rows = torch.zeros((packed.size, 3), dtype=torch.float64)
+    n = packed.micro_count
+    temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+    for j in range(n):
+        if hasattr(policy, "set_requires_gradient_sync"):  # FSDP: reduce once, at the end
+            policy.set_requires_gradient_sync(j == n - 1)
+        idx = packed.micro(where.rank, j)
+        if not idx:
+            _idle_pass(policy, pad_id, device)
+            continue
+        x = micro_inputs(packed.rows(idx), pad_id, device)
+        logp = policy(x.ids, x.mask, x.positions, x.targets, temperature)
+        out = dppo_loss(logp, x.behaviour, x.adv, x.model_mask, cfg.gate)
+        out.loss_sum.backward()
+        sums += torch.tensor(
+            [out.tokens, out.kept, out.mean_abs_diff * out.tokens, out.mismatch_kl * out.tokens,
+             float(out.loss_sum.detach())], dtype=torch.float64,
+        )  # fmt: skip
+        if out.row_tokens is not None:  # None: no model tokens in the micro-batch
+            rows[idx] = torch.tensor(
+                list(zip(out.row_tokens, out.row_kept, out.row_kl_sum, strict=True)),
+                dtype=torch.float64,
+            )
+    return sums, rows
+
+
+def _update(policy, opt, kept: int, cfg: StepConfig, where: Dist) -> float:
+    """Mean the gradient over the step's kept tokens, clip, step; the norm."""
+    if not kept:
+        return 0.0
+    scale = where.world / kept
+    for p in policy.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+        norm = norm.full_tensor()
+    opt.step()
+    return float(norm)
+
+
+def train_step(
+    model,
+    opt,
+    groups: Sequence[Sequence[Sample]] | None,
+    pad_id: int,
+    cfg: StepConfig,
+    where: Dist | None = None,
+) -> dict | None:
+    """Update the model on these groups; the step's metrics (on rank 0).
+
+    Rank 0 passes the groups; the other ranks pass None, receive their
+    share, and get None back.
+    """
+    where = where or Dist()
+    policy = as_policy(model)
+    packed = None
+    if where.leader:
+        rewards, skipped, pairs = _scored(groups, cfg)
+        packed = pack(pairs, cfg.micro_tokens, where.world)
+    ts = where.broadcast(packed.tensors() if packed else None, Packed.dtypes())
+    packed = Packed.from_tensors(ts)
+    policy.train()
+    opt.zero_grad(set_to_none=True)
+    sums, rows = _accumulate(policy, packed, pad_id, cfg, where)
+    sums, rows = where.all_reduce_sum(sums), where.all_reduce_sum(rows)
+    grad_norm = _update(policy, opt, int(sums[KEPT]), cfg, where)
+    policy.eval()
+    if not where.leader:
+        return None
+    return _metrics(rewards, skipped, [s for s, _ in pairs], sums, rows, grad_norm, packed)
+
+
+def _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed: Packed) -> dict:
+    tokens, kept = int(sums[TOKENS]), int(sums[KEPT])
     per_worker: dict[str, dict[str, float]] = {}
     by_version: dict[str, dict[str, dict[str, float]]] = {}  # worker -> version -> stats
-    model.train()
-    opt.zero_grad(set_to_none=True)
-    device = next(model.parameters()).device
-    for start in range(0, len(pairs), cfg.micro_batch):
-        chunk = pairs[start : start + cfg.micro_batch]
-        samples = [s for s, _ in chunk]
-        logp = policy_logprobs(model, samples, pad_id, cfg.temperature)
-        mu, a, mm = (t.to(device) for t in _aligned(samples, [x for _, x in chunk], logp.shape[1]))
-        out = dppo_loss(logp, mu, a, mm, cfg.gate)
-        out.loss_sum.backward()
-        totals["tokens"] += out.tokens
-        totals["kept"] += out.kept
-        totals["abs_diff"] += out.mean_abs_diff * out.tokens
-        totals["kl"] += out.mismatch_kl * out.tokens
-        totals["loss"] += float(out.loss_sum.detach())
-        _add_rows(per_worker, by_version, samples, out)
-    kept, tokens = totals["kept"], totals["tokens"]
-    grad_norm = 0.0
-    if kept:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad /= kept
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        opt.step()
-    model.eval()
+    _add_rows(per_worker, by_version, samples, rows)
     all_rewards = [r for g in rewards for r in g]
     return {
-        "loss": totals["loss"] / kept if kept else 0.0,
+        "loss": float(sums[LOSS]) / kept if kept else 0.0,
         "reward_mean": sum(all_rewards) / max(1, len(all_rewards)),
         "pass_rate": sum(r > 0 for r in all_rewards) / max(1, len(all_rewards)),
-        "groups": len(groups),
-        "groups_skipped": ga.skipped,
+        "groups": len(rewards),
+        "groups_skipped": skipped,
         "episodes": len(all_rewards),
         "tokens": tokens,
+        "micro_batches": packed.micro_count,
         "masked_fraction": 1.0 - kept / tokens if tokens else 0.0,
-        "mean_abs_diff": totals["abs_diff"] / tokens if tokens else 0.0,
-        "mismatch_kl": totals["kl"] / tokens if tokens else 0.0,
+        "mean_abs_diff": float(sums[ABS_DIFF]) / tokens if tokens else 0.0,
+        "mismatch_kl": float(sums[KL]) / tokens if tokens else 0.0,
         "grad_norm": grad_norm,
         "gate_by_worker": per_worker,
         "gate_by_version": by_version,  # for quarantine's like-for-like comparison
     }
 
 
-def _add_rows(per_worker: dict, by_version: dict, samples: Sequence[Sample], out) -> None:
-    """Sum a micro-batch's per-row gate figures into {worker: tokens, kept, kl_sum},
-    and per behaviour version into {worker: {version: ...}}."""
-    for s, n, k, kl in zip(samples, out.row_tokens, out.row_kept, out.row_kl_sum, strict=True):
+def _add_rows(per_worker: dict, by_version: dict, samples: Sequence[Sample], rows) -> None:
+    """Sum the per-sample gate figures into {worker: tokens, kept, kl_sum}, and
+    per behaviour version into {worker: {version: ...}}."""
+    for s, (n, k, kl) in zip(samples, rows.tolist(), strict=True):
         per_v = by_version.setdefault(s.worker, {})
         for w in (per_worker.setdefault(s.worker, {}), per_v.setdefault(str(s.version), {})):
             w["tokens"] = w.get("tokens", 0) + int(n)

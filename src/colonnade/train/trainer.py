@@ -1,15 +1,21 @@
-"""The trainer: one process that updates the weights and publishes versions.
+"""The trainer: updates the weights and publishes versions; one process, or
+several ranks under torchrun with FSDP2 (`distributed`).
 
     start:  run.json (put-if-absent), model files, checkpoint v0, publish v0
     loop:   collect groups (v − max_lag … v) → recompute rewards → DPPO step
-            → record consumed batches → publish v+1 (patch; anchor every K)
+            → record consumed batches (ledger) → snapshot → publish v+1 in
+            the background (patch; anchor every K) while the next step runs
             → metrics, heartbeat; checkpoint every N versions
     end:    trainer/done.json, which tells workers to stop
+
+Rank 0 leads (store, rollouts, versions, metrics); the other ranks hold
+their shards and follow its commands (`follow`).
 
 Resuming loads the newest checkpoint and continues after the newest
 *published* version: version numbers are never skipped or reused, and
 batches recorded as consumed are never used again (updates made after the
-checkpoint are lost; their batches stay consumed).
+checkpoint are lost; their batches stay consumed). A checkpoint of a version
+whose publication was cut short is published first.
 """
 
 from __future__ import annotations
@@ -26,27 +32,33 @@ from pathlib import Path
 import torch
 
 from colonnade.envs import load_environment
-from colonnade.model import load_model, publishable_state, resolve_model
+from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import alive, worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
+from colonnade.protocol.weights import VersionError
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import NotFound, ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .background import Background
+from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .collect import Collector
+from .distributed import Command, Dist, init_distributed
 from .loss import GateConfig
+from .policy import build_policy, full_state
 from .quarantine import Ledger, QuarantineConfig
 from .samples import rebuild_group
 from .step import StepConfig, train_step
 
 log = logging.getLogger("colonnade.trainer")
 MODEL_FILE_LIMIT = 64 << 20
+PING_SECONDS = 20.0  # rank 0 tells waiting ranks it lives at least this often
+DTYPES = ("auto", "bf16", "fp32")
 
 
 class RunConflict(RuntimeError):
@@ -61,6 +73,9 @@ class TrainerConfig:
     env_kwargs: dict = field(default_factory=dict)
     model: str = "tiny"
     precision: str = "int8"  # of published weights: what workers run
+    device: str = "auto"  # auto: CUDA, then MPS, then CPU
+    dtype: str = "auto"  # compute: bf16 (fp32 masters and Adam) or fp32; auto: bf16 on CUDA
+    grad_ckpt: bool | None = None  # activation checkpointing; None: on for CUDA
     max_versions: int = 20  # stop once this version is published
     max_lag: int = 2  # 0: synchronous on-policy
     anchor_every: int = 10
@@ -79,8 +94,12 @@ class TrainerConfig:
     delta_low: float = 0.15
     delta_high: float = 0.15
     ratio_clip: float = 2.0
-    micro_batch: int = 8
+    micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
+    logit_chunk_tokens: int = 4096  # row-positions whose fp32 logits exist at once
     checkpoint_every: int = 5
+    keep_checkpoints: int = 2  # older complete checkpoints are deleted
+    staging_dir: str = ""  # local folder for checkpoint shards; default <cache>/staging
+    multipart_mb: int = 64  # store objects from this size up go multipart / ranged
     poll_seconds: float = 1.0
     resume: bool = True  # continue a run found under the prefix
     takeover: bool = False  # ignore a fresh heartbeat of another trainer
@@ -102,6 +121,15 @@ class TrainerConfig:
             max_episode_tokens=self.max_episode_tokens,
         )
 
+    def check(self) -> None:
+        """Settings no step can run with: a ValueError naming them."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if min(self.micro_tokens, self.logit_chunk_tokens, self.checkpoint_every) < 1:
+            raise ValueError("micro_tokens, logit_chunk_tokens and checkpoint_every must be >= 1")
+        if self.multipart_mb < 5:
+            raise ValueError("multipart_mb must be >= 5 (S3's smallest part)")
+
 
 def warmup_lr(lr: float, version: int, warmup: int) -> float:
     """The rate of the update that makes version + 1: linear up to `lr` over
@@ -114,7 +142,8 @@ def _model_files(model_dir: Path) -> dict[str, bytes]:
     """Everything but weights: config, tokenizer, generation config."""
     out = {}
     for p in sorted(model_dir.iterdir()):
-        if p.is_file() and not p.name.endswith((".safetensors", ".bin")) and p.stat().st_size:
+        weights = p.name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
+        if p.is_file() and not weights and p.stat().st_size:
             if p.stat().st_size > MODEL_FILE_LIMIT:
                 raise ValueError(f"{p}: larger than {MODEL_FILE_LIMIT} bytes")
             out[p.name] = p.read_bytes()
@@ -154,27 +183,57 @@ def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
         )
 
 
+def compute_dtype(dtype: str, device: torch.device) -> str:
+    """bf16 or fp32: `auto` is bf16 on CUDA, fp32 elsewhere."""
+    if dtype == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return dtype
+
+
 class Trainer:
-    """The loop's state: model, optimizer, publisher, collector."""
+    """The loop's state: policy, optimizer, and on rank 0 publisher and collector."""
 
     def __init__(self, cfg: TrainerConfig, store: ObjectStore | None = None):
+        cfg.check()
         self.cfg = cfg
-        self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
+        self.where: Dist = init_distributed(cfg.device, cfg.store_outage_seconds + 1800)
+        self.store = store or open_store(
+            cfg.store, endpoint_url=cfg.endpoint_url, multipart_bytes=cfg.multipart_mb << 20
+        )
         self.instance = uuid.uuid4().hex[:8]
         self.env = load_environment(cfg.env, **cfg.env_kwargs)
         torch.manual_seed(cfg.seed)
-        path = resolve_model(cfg.model, self.env.tokenizer_texts())
-        self.model, self.tok = load_model(path, dtype=torch.float32)
-        self.model_dir = Path(path)
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        self.model_dir = local_model_dir(resolve_model(cfg.model, self.env.tokenizer_texts()))
+        lm, self.tok = load_model(str(self.model_dir), dtype=torch.float32)
+        self.aliases = tied_aliases(lm)
+        self.max_len, self.vocab = lm.config.max_position_embeddings, lm.config.vocab_size
+        self.dtype = compute_dtype(cfg.dtype, self.where.device)
+        grad_ckpt = cfg.grad_ckpt if cfg.grad_ckpt is not None else self.where.device.type == "cuda"
+        self.policy = build_policy(
+            lm, self.where, self.dtype == "bf16", grad_ckpt, cfg.logit_chunk_tokens
         )
-        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every)
+        self.opt = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.staging = Path(cfg.staging_dir or cache_root() / "staging")
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
-            micro_batch=cfg.micro_batch,
+            micro_tokens=cfg.micro_tokens,
             gate=GateConfig(cfg.delta_low, cfg.delta_high, cfg.ratio_clip),
         )
+        self.version: int | None = None  # of the weights the policy holds
+        self.background = Background()
+        self.stop_requested = False
+        self._last_command = time.monotonic()
+        if self.where.leader:
+            self._lead_state(cfg)
+        log.info(
+            "trainer on %s, %s compute, activation checkpointing %s, %d rank(s)",
+            self.where.device, self.dtype, "on" if grad_ckpt else "off", self.where.world,
+        )  # fmt: skip
+
+    def _lead_state(self, cfg: TrainerConfig) -> None:
+        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every)
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
         self.quarantine = Ledger(
@@ -182,21 +241,72 @@ class Trainer:
         )
         exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
-        self.stop_requested = False
 
-    # -- start or resume ------------------------------------------------------------
+    # -- what every rank does together, announced by rank 0 ------------------------------
+    def _command(self, cmd: Command, arg: int = 0) -> None:
+        self.where.command(cmd, arg)
+        self._last_command = time.monotonic()
+
+    def _train(self, groups, version: int) -> dict | None:
+        self._command(Command.STEP, version)
+        for group in self.opt.param_groups:
+            group["lr"] = warmup_lr(self.cfg.lr, version, self.cfg.warmup_versions)
+        return train_step(
+            self.policy, self.opt, groups, self.tok.pad_token_id, self.step_cfg, self.where
+        )
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        self._command(Command.SNAPSHOT)
+        return full_state(self.policy, self.where, self.aliases)
+
+    def _save(self, v: int) -> None:
+        self._command(Command.CHECKPOINT, v)
+        facts = {"instance": self.instance}
+        save_checkpoint(
+            self.store, v, self.policy, self.opt, self.where, self.staging, self.aliases, facts
+        )
+        if self.where.leader and self.cfg.keep_checkpoints > 0:
+            prune_checkpoints(self.store, self.cfg.keep_checkpoints)
+
+    def _load(self, v: int) -> None:
+        self._command(Command.LOAD, v)
+        load_checkpoint(self.store, v, self.policy, self.opt, self.where, self.staging,
+                        self.aliases)  # fmt: skip
+
+    def follow(self) -> None:
+        """Ranks other than 0: do what rank 0 announces until it says DONE."""
+        while True:
+            cmd, arg = self.where.command()
+            if cmd == Command.DONE:
+                return
+            if cmd == Command.STEP:
+                for group in self.opt.param_groups:
+                    group["lr"] = warmup_lr(self.cfg.lr, arg, self.cfg.warmup_versions)
+                train_step(self.policy, self.opt, None, self.tok.pad_token_id, self.step_cfg,
+                           self.where)  # fmt: skip
+            elif cmd == Command.SNAPSHOT:
+                full_state(self.policy, self.where, self.aliases)
+            elif cmd == Command.CHECKPOINT:
+                save_checkpoint(self.store, arg, self.policy, self.opt, self.where,
+                                self.staging, self.aliases, {})  # fmt: skip
+            elif cmd == Command.LOAD:
+                load_checkpoint(self.store, arg, self.policy, self.opt, self.where,
+                                self.staging, self.aliases)  # fmt: skip
+
+    # -- start or resume (rank 0) ----------------------------------------------------------
     def open(self) -> None:
+        self.store.clean_partial("trainer/", time.time())
+        self.store.clean_partial("weights/", time.time())
         if self.store.exists(keys.RUN):
             self._resume()
         else:
             self._start()
         train_ids = {t.id for t in self.env.tasks("train")}
         stop = episode_stops(self.spec.sampling["stop"], self.env)
-        max_len = self.model.config.max_position_embeddings
         consumed, seen = self._consumed()
         self.collector = Collector(
             self.store,
-            lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, max_len, train_ids),
+            lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids),
             vocab=self.spec.vocab_size,
             max_tokens=self.cfg.max_episode_tokens + self.cfg.max_turn_tokens,
             max_lag=self.cfg.max_lag,
@@ -214,13 +324,14 @@ class Trainer:
         files = _model_files(self.model_dir)
         for name, data in files.items():
             self.store.put(keys.model_file(name), data)
-        spec = run_spec(self.cfg, sorted(files), self.model.config.vocab_size)
+        spec = run_spec(self.cfg, sorted(files), self.vocab)
         if not self.store.put_if_absent(keys.RUN, spec.to_json()):
             raise RunConflict(f"another trainer created a run under {self.store.url} just now")
         self.spec = spec
         self._heartbeat(None)
-        save_checkpoint(self.store, 0, self.model, self.opt, {"instance": self.instance})
-        meta = self.publisher.publish(publishable_state(self.model)).meta
+        self._save(0)
+        meta = self.publisher.publish(self._snapshot()).meta
+        self.version = 0
         log.info("run %s: published v0 (%d bytes, full)", spec.run_id, meta.payload_bytes)
 
     def _resume(self) -> None:
@@ -231,17 +342,28 @@ class Trainer:
         ckpt = latest_checkpoint(self.store)
         if ckpt is None:
             raise RunConflict(f"the run under {self.store.url} has no checkpoint to resume from")
-        load_checkpoint(self.store, ckpt, self.model, self.opt)
+        self._load(ckpt)
         latest = latest_version(self.store)
-        if latest is None:  # died between the v0 checkpoint and v0
-            self.publisher.publish(publishable_state(self.model))
-            return
-        follower = Follower(self.store, self.spec.anchor_every)
-        follower.sync(latest)
-        self.publisher.adopt(latest, follower.state, follower.sha)
-        lost = f"; the updates of v{ckpt + 1}..v{latest} are lost" if latest > ckpt else ""
+        if latest is not None:
+            follower = Follower(self.store, self.spec.anchor_every)
+            follower.sync(latest)
+            self.publisher.adopt(latest, follower.state, follower.sha)
+        if latest is None or latest < ckpt:
+            # The checkpoint's own version never got published (a crash while
+            # it was in flight): publish those weights as that version now.
+            if (latest if latest is not None else -1) != ckpt - 1:
+                raise VersionError(f"checkpoint v{ckpt} is ahead of the published v{latest}")
+            self.publisher.publish(self._snapshot())
+        self.version = self.publisher.version
+        lost = (
+            f"; the updates of v{ckpt + 1}..v{latest} are lost" if latest and latest > ckpt else ""
+        )
         log.info(
-            "resumed run %s from checkpoint v%d at v%d%s", self.spec.run_id, ckpt, latest, lost
+            "resumed run %s from checkpoint v%d at v%d%s",
+            self.spec.run_id,
+            ckpt,
+            self.version,
+            lost,
         )
 
     def _consumed(self) -> tuple[set[str], set[str]]:
@@ -273,7 +395,7 @@ class Trainer:
             log.info("registered worker keys: %s", ", ".join(sorted(ring)))
         self.collector.keyring = ring
 
-    # -- the loop ---------------------------------------------------------------------
+    # -- the loop (rank 0) ---------------------------------------------------------------
     def _heartbeat(self, version: int | None) -> None:
         doc = {
             "instance": self.instance,
@@ -287,105 +409,126 @@ class Trainer:
         """Workers whose heartbeat is younger than heartbeat_timeout."""
         return len(alive(worker_heartbeats(self.store), time.time(), self.cfg.heartbeat_timeout))
 
+    def _waiting(self) -> bool:
+        """Polled while collecting: keeps the other ranks' collectives alive;
+        True once a stop is requested."""
+        if self.where.sharded and time.monotonic() - self._last_command > PING_SECONDS:
+            self._command(Command.PING)
+        return self.stop_requested
+
     def step(self) -> dict | None:
-        """Train on one collection and publish the next version; its metrics.
+        """Train on one collection; hand v+1 to the background publication; its metrics.
 
         None when a stop was requested while waiting for rollouts: nothing is
         trained or recorded as consumed, so a resumed run uses those batches.
-        Store outages are retried (collection, then publication) up to
+        Store outages are retried (collection, ledger, publication) up to
         `store_outage_seconds`; the update itself is made once.
         """
         t0 = time.monotonic()
         deadline = self.cfg.store_outage_seconds
         self._retry("keys", self._load_keys, deadline)
-        v = self.publisher.version
-        before = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
+        v = self.version
+        counts = self.collector.counts
+        before = counts["batches_rejected"] + counts["groups_rejected"]
+        need = self.cfg.groups_per_step
         got = self._retry(
-            "collect",
-            lambda: self.collector.collect(
-                v, self.cfg.groups_per_step, stop=lambda: self.stop_requested
-            ),
-            deadline,
+            "collect", lambda: self.collector.collect(v, need, stop=self._waiting), deadline
         )
-        if len(got.groups) < self.cfg.groups_per_step:
+        if len(got.groups) < need:
             return None
-        for group in self.opt.param_groups:
-            group["lr"] = warmup_lr(self.cfg.lr, v, self.cfg.warmup_versions)
-        metrics = train_step(self.model, self.opt, got.groups, self.tok.pad_token_id, self.step_cfg)
-        pub = self._retry("publish", lambda: self._commit(v + 1, got), deadline)
-        rejected = sum(self.collector.counts[k] for k in ("batches_rejected", "groups_rejected"))
-        step_seconds = time.monotonic() - t0
-        self.collector.version_gap = moving_gap(self.collector.version_gap, step_seconds)
+        metrics = self._train(got.groups, v)
+        self._retry("ledger", lambda: self._write_ledger(v + 1, got), deadline)
+        state = self._snapshot()
+        self.version = v + 1
         metrics.update(
             version=v + 1,
             staleness={str(k): n for k, n in sorted(got.staleness.items())},
             wait_seconds=round(got.wait_seconds, 3),
-            step_seconds=round(step_seconds, 3),
-            wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
-            publish_seconds=round(pub.seconds, 3),
-            patch_bytes=pub.meta.payload_bytes,
-            full_bytes=pub.meta.full_bytes,
-            kind=pub.meta.kind,
-            rejected=rejected - before,
+            rejected=counts["batches_rejected"] + counts["groups_rejected"] - before,
             workers_alive=self._retry("workers", self.workers_alive, deadline),
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
-            **{k: int(n) for k, n in self.collector.counts.items()},
+            **{k: int(n) for k, n in counts.items()},
         )
         if self.quarantine.judge(v + 1, metrics.pop("gate_by_version")):
             self.collector.quarantined = set(self.quarantine.decisions)
             self._retry("quarantine", self._write_quarantine, deadline)
-        self.telemetry.row(**metrics)
+        blocked = self.background.wait()
+        step_seconds = time.monotonic() - t0
+        self.collector.version_gap = moving_gap(self.collector.version_gap, step_seconds)
+        metrics.update(
+            time=time.time(),
+            step_seconds=round(step_seconds, 3),
+            wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
+            publish_blocked_seconds=round(blocked, 3),
+        )
+        self.background.submit(lambda: self._publish(state, metrics))
         self._retry("heartbeat", lambda: self._heartbeat(v + 1), deadline)
         if (v + 1) % self.cfg.checkpoint_every == 0:
-            self._retry("checkpoint", lambda: self._checkpoint(v + 1), deadline)
+            self._retry("checkpoint", lambda: self._save(v + 1), deadline)
         return metrics
 
     def _retry(self, what: str, fn, deadline_s: float):
         return retry_unavailable(log, what, fn, deadline_s)
 
-    def _commit(self, new_v: int, got):
-        """Ledger, then the version: safe to repeat after a failed attempt."""
+    def _write_ledger(self, new_v: int, got) -> None:
+        """The batches that trained `new_v`, recorded before it is published."""
         ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
         doc = {"keys": sorted(got.keys), "digests": sorted(got.digests)}
         self.store.put(ledger, json.dumps(doc).encode())
-        return self.publisher.publish(publishable_state(self.model))
 
-    def _checkpoint(self, v: int) -> None:
-        save_checkpoint(self.store, v, self.model, self.opt, {"instance": self.instance})
+    def _publish(self, state: dict[str, torch.Tensor], m: dict) -> None:
+        """Background: publish the snapshot as the next version, then its metrics row."""
+        pub = self._retry(
+            "publish", lambda: self.publisher.publish(state), self.cfg.store_outage_seconds
+        )
+        m.update(
+            publish_seconds=round(pub.seconds, 3),
+            patch_bytes=pub.meta.payload_bytes,
+            full_bytes=pub.meta.full_bytes,
+            kind=pub.meta.kind,
+        )
+        self.telemetry.row(**m)
+        log.info(
+            "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
+            "wait %.1fs patch %d B (%.2f%% of full) publish %.2fs blocked %.2fs",
+            m["version"], m["loss"], m["reward_mean"], m["pass_rate"], m["masked_fraction"],
+            m["mismatch_kl"], m["tokens"], m["wait_seconds"], m["patch_bytes"],
+            100 * m["patch_bytes"] / max(1, m["full_bytes"]), m["publish_seconds"],
+            m["publish_blocked_seconds"],
+        )  # fmt: skip
 
     def install_stop(self) -> None:
-        """SIGTERM: finish the version in flight, checkpoint, exit (resumable)."""
+        """SIGTERM: finish the version in flight, checkpoint, exit (resumable).
+        Only rank 0 decides; under torchrun every rank gets the signal."""
 
         def handler(signum, frame):
-            log.info("stopping after the version in flight (signal %d)", signum)
+            if self.where.leader:
+                log.info("stopping after the version in flight (signal %d)", signum)
             self.stop_requested = True
 
         signal.signal(signal.SIGTERM, handler)
 
     def run(self) -> None:
+        try:
+            if self.where.leader:
+                self._lead()
+            else:
+                self.follow()
+        finally:
+            self.background.close()
+            self.where.close()
+
+    def _lead(self) -> None:
         self.open()
-        while self.publisher.version < self.cfg.max_versions:
+        while self.version < self.cfg.max_versions:
             if self.stop_requested:
-                v = self.publisher.version
-                self._checkpoint(v)
-                log.info("stopped at v%d (checkpointed; the run can resume)", v)
+                self.background.wait()
+                self._save(self.version)
+                log.info("stopped at v%d (checkpointed; the run can resume)", self.version)
+                self._command(Command.DONE)
                 return
-            m = self.step()
-            if m is None:
-                continue
-            log.info(
-                "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
-                "wait %.1fs patch %d B (%.2f%% of full)",
-                m["version"],
-                m["loss"],
-                m["reward_mean"],
-                m["pass_rate"],
-                m["masked_fraction"],
-                m["mismatch_kl"],
-                m["tokens"],
-                m["wait_seconds"],
-                m["patch_bytes"],
-                100 * m["patch_bytes"] / max(1, m["full_bytes"]),
-            )
-        self.store.put(keys.DONE, dumps({"version": self.publisher.version, "time": time.time()}))
-        log.info("done: published v%d", self.publisher.version)
+            self.step()
+        self.background.wait()
+        self.store.put(keys.DONE, dumps({"version": self.version, "time": time.time()}))
+        self._command(Command.DONE)
+        log.info("done: published v%d", self.version)

@@ -1,0 +1,152 @@
+"""The model being trained: an HF causal LM behind one forward that returns
+the log-probs of given tokens, on its device, in its precision, sharded.
+
+    Policy(lm)(ids [B, T], mask [B, T], positions [B, T], targets [B, G])
+        -> log π(targets) [B, G], the last G positions of each row
+
+The decoder runs once; the vocabulary projection and its log-softmax run in
+chunks of positions (`chunk_tokens` row-positions each), each recomputed in
+backward (activation checkpointing), so fp32 logits over the whole
+vocabulary exist for one chunk at a time instead of for the whole
+micro-batch: with a 150k vocabulary those are the largest activations of a
+step.
+
+Precision: fp32 master weights and optimizer states always. bf16 compute is
+autocast on a single device, or FSDP2's MixedPrecisionPolicy (bf16 params
+in compute, fp32 gradient reduction) across ranks. FSDP2 shards every
+decoder layer (the model's `_no_split_modules`) and then the root, which is
+this wrapper, so the head and embeddings (tied or not) are one unit whose
+parameters are gathered for the whole forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from colonnade.model.logprobs import gather_logprobs
+
+from .distributed import Dist
+
+PREFIX = "lm."  # the wrapped model's parameter names inside the Policy
+
+
+class Policy(nn.Module):
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 4096, autocast_bf16: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+        self.autocast_bf16 = autocast_bf16
+        cfg = lm.config
+        # Heads that do more than a matmul (Gemma 2's soft cap, Cohere's and
+        # Granite's logit scales) are applied here as their forward would.
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.logit_scale = getattr(cfg, "logit_scale", None)
+        self.logits_scaling = getattr(cfg, "logits_scaling", None)
+        decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+        self.split = decoder is not None and lm.get_output_embeddings() is not None
+
+    def _autocast(self, device: torch.device):
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def forward(self, ids, mask, positions, targets, temperature: float = 1.0):
+        gen = targets.shape[1]
+        with self._autocast(ids.device):
+            if not self.split:  # an architecture without the decoder/head split
+                out = self.lm(
+                    input_ids=ids, attention_mask=mask, position_ids=positions,
+                    logits_to_keep=gen + 1, use_cache=False,
+                )  # fmt: skip
+                return gather_logprobs(out.logits[:, :-1], targets, temperature)
+            hidden = self.lm.get_decoder()(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+            ).last_hidden_state[:, -(gen + 1) : -1]
+            step = max(1, self.chunk_tokens // max(1, ids.shape[0]))
+            parts = []
+            for s in range(0, gen, step):
+                h, t = hidden[:, s : s + step], targets[:, s : s + step]
+                if torch.is_grad_enabled() and gen > step:
+                    parts.append(checkpoint(self._logp, h, t, temperature, use_reentrant=False))
+                else:
+                    parts.append(self._logp(h, t, temperature))
+            return torch.cat(parts, dim=1)
+
+    def _logp(self, hidden, targets, temperature: float):
+        logits = self.lm.get_output_embeddings()(hidden).float()
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return gather_logprobs(logits, targets, temperature)
+
+
+def as_policy(model: nn.Module) -> Policy:
+    """`model` itself if it is a Policy, else a single-device fp32 Policy over it."""
+    return model if isinstance(model, Policy) else Policy(model)
+
+
+def _decoder_layers(lm: nn.Module) -> Iterator[nn.Module]:
+    names = set(getattr(lm, "_no_split_modules", None) or ())
+    for m in lm.modules():
+        if type(m).__name__ in names:
+            yield m
+
+
+def build_policy(
+    lm: nn.Module,
+    where: Dist,
+    bf16: bool,
+    grad_ckpt: bool,
+    chunk_tokens: int = 4096,
+) -> Policy:
+    """The trainable Policy over `lm` (fp32, on the CPU): on `where.device`,
+    sharded with FSDP2 when `where` has several ranks."""
+    if grad_ckpt:
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            lm.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.use_cache = False
+    policy = Policy(lm, chunk_tokens, autocast_bf16=bf16 and not where.sharded)
+    if not where.sharded:
+        return policy.to(where.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(where.device.type, (where.world,))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+    )
+    for layer in list(_decoder_layers(lm)):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    return policy
+
+
+def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The publishable state on the CPU, a copy the next step cannot touch:
+    the master weights rounded to bf16 (what every precision publishes from),
+    tied copies left out. Collective under FSDP; empty on ranks other than 0."""
+    if where.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(policy, options=opts)
+    else:
+        state = policy.state_dict()
+    out = {}
+    for name, t in state.items():
+        name = name.removeprefix(PREFIX)
+        if name in aliases:
+            continue
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
+    return out
