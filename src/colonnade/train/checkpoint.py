@@ -20,10 +20,13 @@ of each machine downloads the shards once for the ranks beside it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,6 +68,15 @@ def _state_dicts(policy, opt, aliases: dict[str, str]) -> tuple[dict, list]:
     return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd["param_groups"]
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load without a process group, which is
+    how one process is meant to use it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def staging_dir(root: Path, store: ObjectStore, what: str) -> Path:
     """A local folder named by the store and `what`: the same on every rank
     of a machine, different for different runs."""
@@ -88,7 +100,9 @@ def save_checkpoint(
     sd, _ = _state_dicts(policy, opt, aliases)
     local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
     shutil.rmtree(local, ignore_errors=True)
-    dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(str(local), save_distributed=True))
+    writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
+    with _single_process_quiet():
+        dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
     prefix = keys.checkpoint_dir(version)
     for f in sorted(local.glob("*.safetensors")):
         store.put_file(prefix + f.name, f)
@@ -145,7 +159,9 @@ def load_checkpoint(
             store.get_file(keys.checkpoint_dir(version) + name, local / name, max_bytes=size)
     where.barrier()
     sd, groups = _state_dicts(policy, opt, aliases)
-    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(local)))
+    reader = dcp.HuggingFaceStorageReader(str(local))
+    with _single_process_quiet():
+        dcp.load(sd, storage_reader=reader, no_dist=not where.sharded)
     # strict=False: only the tied head's second name is absent, on purpose.
     set_state_dict(
         policy,

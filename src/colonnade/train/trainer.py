@@ -197,13 +197,13 @@ class Trainer:
         cfg.check()
         self.cfg = cfg
         self.where: Dist = init_distributed(cfg.device, cfg.store_outage_seconds + 1800)
-        self.store = store or open_store(
-            cfg.store, endpoint_url=cfg.endpoint_url, multipart_bytes=cfg.multipart_mb << 20
-        )
         self.instance = uuid.uuid4().hex[:8]
         self.env = load_environment(cfg.env, **cfg.env_kwargs)
         torch.manual_seed(cfg.seed)
         self.model_dir = local_model_dir(resolve_model(cfg.model, self.env.tokenizer_texts()))
+        self.store = store or open_store(
+            cfg.store, endpoint_url=cfg.endpoint_url, multipart_bytes=cfg.multipart_mb << 20
+        )
         lm, self.tok = load_model(str(self.model_dir), dtype=torch.float32)
         self.aliases = tied_aliases(lm)
         self.max_len, self.vocab = lm.config.max_position_embeddings, lm.config.vocab_size

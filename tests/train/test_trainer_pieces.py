@@ -1,0 +1,161 @@
+"""The trainer's pieces on one process: checkpoints through DCP, background
+publication, the resume after a publication cut short, and its clean errors."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from colonnade.cli.main import main
+from colonnade.model import tied_aliases
+from colonnade.store import LocalStore
+from colonnade.train.background import Background
+from colonnade.train.checkpoint import (
+    init_adam_state,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from colonnade.train.distributed import Dist
+from colonnade.train.policy import build_policy
+from colonnade.train.trainer import compute_dtype
+
+
+def _policy_and_opt(tiny):
+    lm = copy.deepcopy(tiny[0])
+    aliases = tied_aliases(lm)
+    policy = build_policy(lm, Dist(), bf16=False, grad_ckpt=False)
+    return policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), aliases
+
+
+def _one_update(policy, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    vocab = policy.lm.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    ones = torch.ones_like(ids)
+    opt.zero_grad()
+    policy(ids, ones, ones.cumsum(-1) - 1, ids[:, -5:]).sum().backward()
+    opt.step()
+
+
+def test_a_checkpoint_restores_weights_and_adam_exactly(tiny, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    a, opt_a, aliases = _policy_and_opt(tiny)
+    _one_update(a, opt_a, 0)
+    save_checkpoint(store, 3, a, opt_a, Dist(), tmp_path / "staging", aliases, {"x": 1})
+    b, opt_b, _ = _policy_and_opt(tiny)
+    state = load_checkpoint(store, 3, b, opt_b, Dist(), tmp_path / "staging", aliases)
+    assert state["x"] == 1 and state["ranks"] == 1 and latest_checkpoint(store) == 3
+    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    # The same next update on both: Adam's moments and step count came back.
+    _one_update(a, opt_a, 1)
+    _one_update(b, opt_b, 1)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert b.lm.lm_head.weight is b.lm.model.embed_tokens.weight  # still tied
+    assert not list((tmp_path / "staging").iterdir())  # staging cleaned up
+
+
+def test_initialised_adam_state_is_a_fresh_optimizer(tiny):
+    a, opt_a, _ = _policy_and_opt(tiny)
+    b, opt_b, _ = _policy_and_opt(tiny)
+    init_adam_state(opt_b)  # what a v0 checkpoint does before saving
+    _one_update(a, opt_a, 2)
+    _one_update(b, opt_b, 2)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    store = LocalStore(tmp_path)
+    for v in (0, 5, 10, 15):
+        store.put(f"trainer/checkpoints/{v:08d}/shard-1.safetensors", b"x")
+        store.put(f"trainer/checkpoints/{v:08d}/state.json", b"{}")
+    store.put("trainer/checkpoints/00000020/shard-1.safetensors", b"half")  # no state.json
+    assert prune_checkpoints(store, keep=2) == 2
+    left = sorted({k.split("/")[2] for k in store.list("trainer/checkpoints/")})
+    assert left == ["00000010", "00000015", "00000020"]
+    assert latest_checkpoint(store) == 15
+
+
+def test_background_runs_one_job_at_a_time_in_order():
+    bg = Background()
+    order, running = [], []
+
+    def job(i):
+        def run():
+            running.append(i)
+            assert len(running) == 1, "two publications in flight"
+            time.sleep(0.05)
+            order.append(i)
+            running.remove(i)
+
+        return run
+
+    waited = [bg.submit(job(i)) for i in range(4)]
+    bg.close()
+    assert order == [0, 1, 2, 3]
+    assert waited[0] < 0.01 and all(w > 0.02 for w in waited[1:])
+
+
+def test_a_failed_publication_raises_in_the_trainer():
+    bg = Background()
+    started = threading.Event()
+
+    def boom():
+        started.set()
+        raise RuntimeError("store down")
+
+    bg.submit(boom)
+    started.wait(5)
+    with pytest.raises(RuntimeError, match="store down"):
+        bg.wait()
+    bg.close()
+
+
+def test_compute_dtype_defaults():
+    assert compute_dtype("auto", torch.device("cuda")) == "bf16"
+    assert compute_dtype("auto", torch.device("cpu")) == "fp32"
+    assert compute_dtype("bf16", torch.device("cpu")) == "bf16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_trainer_cuda_without_cuda_is_one_line(tmp_path, capsys):
+    rc = main(["trainer", "--store", str(tmp_path / "s"), "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: device 'cuda' requested but torch sees no CUDA device"]
+    assert not (tmp_path / "s" / "run.json").exists()
+
+
+def test_trainer_hub_model_offline_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc = main(["trainer", "--store", str(tmp_path / "s"), "--model", "org/nothing-here"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("error: model 'org/nothing-here' is not a local directory")
+    assert not (tmp_path / "s" / "run.json").exists()
+
+
+def test_resume_publishes_a_checkpoint_whose_version_was_cut_short(tiny_dir, tmp_path):
+    from colonnade import pulse
+    from colonnade.protocol import Follower, latest_version, read_meta
+    from colonnade.train.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
+                        staging_dir=str(tmp_path / "staging"))  # fmt: skip
+    first = Trainer(cfg)
+    first.open()  # v0 published, checkpoint v0
+    first._save(1)  # the checkpoint of v1 went up; v1's background publication did not
+    first.background.close()
+    assert latest_version(first.store) == 0 and latest_checkpoint(first.store) == 1
+    again = Trainer(TrainerConfig(**{**cfg.__dict__, "takeover": True}))
+    again.open()
+    assert again.version == 1 == latest_version(again.store)
+    f = Follower(again.store, cfg.anchor_every)
+    f.sync(1)
+    assert pulse.state_sha256(f.state) == read_meta(again.store, 1).state_sha256
+    assert read_meta(again.store, 1).state_sha256 == read_meta(again.store, 0).state_sha256
