@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from colonnade.model.device import peak_memory_mb
+
 MODELS = ("tiny", "smollm2-135m")
 PROMPT = "What protein does the gene GX12 encode? Search before answering."
 
@@ -50,13 +52,7 @@ def _peak_reset() -> None:
 
 
 def _peak_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_memory_mb(torch.device("cpu"))
 
 
 def _tiny_texts() -> list[str]:

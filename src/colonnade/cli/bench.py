@@ -20,6 +20,13 @@ BENCHES = {
         "(fp32, bf16, int8; where installed) and of transformers' generate at the same "
         "batch sizes, side by side, with peak RSS.",
     ),
+    "trainer": (
+        "one RL step in fp32, bf16, bf16 + activation checkpointing and FSDP2 on 2 ranks",
+        "The same fixed batch of groups through the trainer's step in each precision and "
+        "layout, each in a fresh process: step seconds, tokens/s, peak memory, background "
+        "publish seconds and the time a step waited for it; 2 ranks' loss and gradient norm "
+        "against 1 rank's.",
+    ),
     "e2e": (
         "async (max_lag 2) against sync (max_lag 0) training, 1 and 2 workers",
         "Full smoke runs side by side: wall time to a fixed training pass rate with max_lag "

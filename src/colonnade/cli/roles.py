@@ -138,6 +138,7 @@ def _trainer(args: argparse.Namespace) -> int:
             "dtype",
             "grad_ckpt",
             "micro_tokens",
+            "fsdp",
             "lr",
             "group_size",
             "groups_per_step",

@@ -22,3 +22,17 @@ def pick_device(preference: str = "auto") -> torch.device:
     if preference == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' requested but torch sees no Apple MPS device")
     return torch.device(preference)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory so far: CUDA's `max_memory_allocated` on a
+    GPU, else the peak resident set (VmHWM; ru_maxrss off Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -12,13 +12,16 @@ it never holds a state whose hash differs from the meta.
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import SafetensorError
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file as st_save_file
 
 from colonnade import pulse
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
@@ -35,6 +38,14 @@ class VersionError(RuntimeError):
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 @dataclass
@@ -64,19 +75,27 @@ class Publisher:
         full = v == 0 or v % self.anchor_every == 0 or self.last is None
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
         if full:
-            payload, key, anchor = st_save(new), keys.full_key(v), v
+            # Through a file, streamed up (multipart when large): an anchor
+            # never sits in memory beside the state it encodes.
+            key, anchor = keys.full_key(v), v
+            with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
+                path = Path(tmp) / "full.safetensors"
+                st_save_file(new, path)
+                size, digest = path.stat().st_size, _file_sha(path)
+                self.store.put_file(key, path)
         else:
             payload = pulse.diff(
                 self.last, new, precision="exact", base_sha256=self.last_sha, result_sha256=sha
             )
             key, anchor = keys.patch_key(v), v - (v % self.anchor_every)
-        self.store.put(key, payload)
+            size, digest = len(payload), _sha(payload)
+            self.store.put(key, payload)
         meta = VersionMeta(
             version=v,
             kind="full" if full else "patch",
             anchor=anchor,
-            payload_bytes=len(payload),
-            payload_sha256=_sha(payload),
+            payload_bytes=size,
+            payload_sha256=digest,
             state_sha256=sha,
             full_bytes=full_bytes,
             created=time.time(),
@@ -131,7 +150,21 @@ def _payload(store: ObjectStore, key: str, meta: VersionMeta) -> bytes:
 
 
 def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
-    state = st_load(_payload(store, keys.full_key(meta.version), meta))
+    """The anchor of `meta`, downloaded to a file (streamed or in ranged GETs),
+    its hash checked, then loaded: never twice in memory."""
+    key = keys.full_key(meta.version)
+    with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
+        path = Path(tmp) / "full.safetensors"
+        try:
+            store.get_file(key, path, max_bytes=meta.payload_bytes)
+        except ObjectTooLarge:
+            raise VersionError(f"{key}: payload is larger than meta.json says") from None
+        if _file_sha(path) != meta.payload_sha256:
+            raise VersionError(f"{key}: payload hash differs from meta.json")
+        try:
+            state = st_load_file(path)
+        except (SafetensorError, ValueError, OSError) as e:
+            raise VersionError(f"{key}: not a readable safetensors file ({e})") from None
     if pulse.state_sha256(state) != meta.state_sha256:
         raise VersionError(f"v{meta.version}: anchor does not hash to meta.json's state_sha256")
     return state

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -111,6 +112,12 @@ class Dist:
             dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies. torchrun starts each
     rank in a session of its own; a torchrun killed outright would otherwise
@@ -127,12 +134,23 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 3600.0) -> Dist:
-    """This process's Dist: from torchrun's environment, or a single process."""
+def init_distributed(device: str = "auto", timeout_s: float = 3600.0, fsdp: bool = False) -> Dist:
+    """This process's Dist: from torchrun's environment, or a single process.
+
+    `fsdp` on a single process makes a process group of one, so that the
+    model is still wrapped by FSDP2: its mixed precision casts one layer's
+    weights to bf16 at a time, where autocast holds a bf16 copy of the whole
+    model during the forward (what lets an 8B model train on one 141 GB GPU).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     where = pick_device(device)
-    if world <= 1:
+    if world <= 1 and not fsdp:
         return Dist(device=where)
+    if world <= 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        world = 1
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     die_with_parent()
     if where.type == "mps":

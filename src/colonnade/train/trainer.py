@@ -33,6 +33,7 @@ import torch
 
 from colonnade.envs import load_environment
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
+from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import alive, worker_heartbeats
@@ -76,6 +77,7 @@ class TrainerConfig:
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     dtype: str = "auto"  # compute: bf16 (fp32 masters and Adam) or fp32; auto: bf16 on CUDA
     grad_ckpt: bool | None = None  # activation checkpointing; None: on for CUDA
+    fsdp: bool = False  # FSDP2 on a single process too (per-layer bf16 casts); always with ranks
     max_versions: int = 20  # stop once this version is published
     max_lag: int = 2  # 0: synchronous on-policy
     anchor_every: int = 10
@@ -196,7 +198,9 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, store: ObjectStore | None = None):
         cfg.check()
         self.cfg = cfg
-        self.where: Dist = init_distributed(cfg.device, cfg.store_outage_seconds + 1800)
+        self.where: Dist = init_distributed(
+            cfg.device, cfg.store_outage_seconds + 1800, fsdp=cfg.fsdp
+        )
         self.instance = uuid.uuid4().hex[:8]
         self.env = load_environment(cfg.env, **cfg.env_kwargs)
         torch.manual_seed(cfg.seed)
@@ -460,6 +464,7 @@ class Trainer:
             step_seconds=round(step_seconds, 3),
             wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
             publish_blocked_seconds=round(blocked, 3),
+            peak_mem_mb=round(peak_memory_mb(self.where.device), 1),
         )
         self.background.submit(lambda: self._publish(state, metrics))
         self._retry("heartbeat", lambda: self._heartbeat(v + 1), deadline)

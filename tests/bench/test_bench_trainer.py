@@ -1,0 +1,35 @@
+"""`colonnade bench trainer --quick`: every case runs in its own process, and
+the 2-rank FSDP2 step matches one rank's on the same batch."""
+
+import json
+
+import pytest
+
+from colonnade.bench.trainer import main
+
+KEYS = {"model", "device", "dtype", "grad_ckpt", "ranks", "step_s", "tokens_per_s",
+        "peak_mem_mb", "publish_s", "publish_blocked_s"}  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_quick_trainer_bench_rows_and_two_ranks_match_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path))
+    assert main(["--quick", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cases = [(r["dtype"], r["grad_ckpt"], r["ranks"], r["fsdp"]) for r in rows]
+    assert cases == [
+        ("fp32", False, 1, False),
+        ("bf16", False, 1, False),
+        ("bf16", True, 1, False),
+        ("bf16", True, 1, True),
+        ("fp32", False, 2, True),
+    ]
+    for r in rows:
+        assert set(r) >= KEYS and r["model"] == "tiny" and r["device"] == "cpu"
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["publish_s"] > 0
+        assert r["peak_mem_mb"] > 0 and r["publish_blocked_s"] >= 0
+    one, two = rows[0], rows[-1]
+    assert two["tokens"] == one["tokens"] > 0
+    assert two["loss_rel_diff"] <= 1e-3 and two["grad_norm_rel_diff"] <= 1e-3
+    # bf16 computes differently from fp32, but on the same batch it is close.
+    assert abs(rows[1]["loss"] - one["loss"]) <= 0.05 * abs(one["loss"]) + 1e-3
