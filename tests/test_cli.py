@@ -20,6 +20,9 @@ SUBCOMMANDS = [
     ["pulse", "apply"],
     ["bench"],
     ["bench", "pulse"],
+    ["bench", "trainer"],
+    ["trainer"],
+    ["worker"],
 ]
 
 

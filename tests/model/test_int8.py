@@ -110,3 +110,39 @@ def test_the_large_batch_path_agrees_and_follows_new_codes(monkeypatch):
     # Outside inference_mode, with autograd tracking, the same copy serves.
     tracked = layer(large.clone().requires_grad_())
     assert tracked.requires_grad and torch.allclose(tracked.detach(), got)
+
+
+def _patched(state, names):
+    """A newer state: `names` rewritten (new objects), every other tensor the same object."""
+    out = dict(state)
+    for n in names:
+        t = state[n]
+        out[n] = (t.float() * 1.5 + 0.01).to(t.dtype) if t.is_floating_point() else -t
+    return out
+
+
+def test_loading_only_the_changed_tensors_equals_a_full_load(tiny_dir, tiny):
+    import copy
+
+    from colonnade.model import publishable_state
+    from colonnade.pulse.quant import quantize_state
+
+    aliases = tied_aliases(tiny[0])
+    old = quantize_state(publishable_state(tiny[0]))
+    linear = next(k for k in old if k.endswith("q_proj.weight"))
+    norm = next(k for k in old if k.endswith("input_layernorm.weight"))
+    embed = "model.embed_tokens.weight"  # tied: the head changes with it
+    changed = {linear, linear + SCALE_SUFFIX, norm, embed, embed + SCALE_SUFFIX}
+    new = _patched(old, sorted(changed))
+    for load in (load_int8, load_dequantized):
+        full = load(copy.deepcopy(tiny[0]), new, aliases)
+        part = load(copy.deepcopy(tiny[0]), old, aliases)
+        load(part, new, aliases, changed)
+        want = {k: v for k, v in full.state_dict(keep_vars=True).items()}
+        got = dict(part.state_dict(keep_vars=True))
+        for name, m in full.named_modules():
+            if isinstance(m, Int8Linear):
+                other = part.get_submodule(name)
+                assert torch.equal(m.codes, other.codes) and torch.equal(m.scale, other.scale)
+        for k, v in want.items():
+            assert torch.equal(v, got[k]), (load.__name__, k)

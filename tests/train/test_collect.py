@@ -65,3 +65,17 @@ def test_quarantined_workers_are_refused_and_samples_name_their_worker(tmp_path)
     got = c.collect(0, need=2, timeout=0.3)
     assert len(got.groups) == 1 and all(s.worker == "good" for s in got.groups[0])
     assert c.counts["rejected_quarantined"] == 1 and c.per_worker["bad"]["batches_rejected"] == 1
+
+
+def test_a_long_wait_of_fast_polls_keeps_polling(tmp_path, monkeypatch):
+    # Short versions make short polls: thousands of them in a long wait
+    # once overflowed the backoff (2**polls as a float) and killed the trainer.
+    import colonnade.train.collect as collect
+
+    naps = []
+    monkeypatch.setattr(collect.time, "sleep", naps.append)
+    c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
+    c.version_gap = 0.05
+    asks = iter(range(1, 3000))
+    got = c.collect(0, need=2, stop=lambda: next(asks) >= 2000)
+    assert got.groups == [] and len(naps) == 1999 and max(naps) <= 0.02

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
+from colonnade.background import Background
 from colonnade.cli.main import main
 from colonnade.model import tied_aliases
 from colonnade.store import LocalStore
-from colonnade.train.background import Background
 from colonnade.train.checkpoint import (
     init_adam_state,
     latest_checkpoint,

@@ -133,11 +133,11 @@ def run_case(spec: dict) -> dict | None:
     """One case in this process (one rank of it under torchrun): its row on rank 0."""
     import torch
 
+    from colonnade.background import Background
     from colonnade.model import tied_aliases
     from colonnade.model.device import peak_memory_mb
     from colonnade.protocol import Publisher
     from colonnade.store import LocalStore
-    from colonnade.train.background import Background
     from colonnade.train.distributed import init_distributed
     from colonnade.train.policy import build_policy, full_state
     from colonnade.train.step import StepConfig, train_step

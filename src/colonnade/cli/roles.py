@@ -21,6 +21,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    _register_trainer(sub)
+    _register_worker(sub)
+
+
+def _register_trainer(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
         "trainer",
         help="update the weights from workers' rollouts and publish versions",
@@ -56,6 +61,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="activation checkpointing of every decoder layer (default: on for CUDA)",
     )
     t.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 8192)")
+    t.add_argument(
+        "--fsdp",
+        action="store_true",
+        default=None,
+        help="FSDP2 on a single process too: bf16 copies of one layer at a time instead of "
+        "the whole model (always on under torchrun with 2+ ranks)",
+    )
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--group-size", type=int, help="episodes per task (G)")
     t.add_argument("--groups-per-step", type=int, help="groups per optimizer step")
@@ -80,6 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="resume even if another trainer's heartbeat is fresh (it is dead)",
     )
     t.set_defaults(handler=_trainer)
+
+
+def _register_worker(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser(
         "worker",
         help="generate rollouts for a run (everything else comes from run.json)",

@@ -22,7 +22,7 @@ float32. On CUDA/MPS the same codes run dequantized.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 import torch
 from torch import nn
@@ -165,22 +165,39 @@ def split_linears(model: nn.Module) -> tuple[list[str], list[str]]:
     return linear, [n for n in model.state_dict() if n.rpartition(".")[0] not in linear_set]
 
 
-def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Mapping[str, str]):
+def _touched(key: str, changed: Set[str] | None) -> bool:
+    """Whether the state tensor `key` (or its row scales) changed."""
+    return changed is None or key in changed or key + SCALE_SUFFIX in changed
+
+
+def load_int8(
+    model: nn.Module,
+    qstate: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    changed: Set[str] | None = None,
+):
     """Run `qstate` (codes + scales) in `model` on CPU: linears become int8.
 
     `aliases` comes from `tied_aliases` on the float model (before the first
     call: a swapped model no longer shows its ties). Calling again with a
-    newer state replaces the weights in place of the previous ones.
+    newer state replaces the weights in place of the previous ones; with
+    `changed` (the state keys a patch rewrote), only those: a worker's stall
+    after a patch is then the apply, not a copy of the whole model.
     """
     linear_names, other_names = split_linears(model)
-    rest = {name: float_value(qstate, name, aliases) for name in other_names}
+    rest = {
+        name: float_value(qstate, name, aliases)
+        for name in other_names
+        if _touched(lookup(qstate, name, aliases), changed)
+    }
     for name in linear_names:
         mod = model.get_submodule(name)
         key = lookup(qstate, f"{name}.weight", aliases)
         codes, scale = qstate[key], qstate[key + SCALE_SUFFIX]
         bias = qstate.get(f"{name}.bias")
         if isinstance(mod, Int8Linear):
-            mod.load(codes, scale, bias)
+            if _touched(key, changed) or _touched(f"{name}.bias", changed):
+                mod.load(codes, scale, bias)
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -190,8 +207,18 @@ def load_int8(model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Map
 
 
 def load_dequantized(
-    model: nn.Module, qstate: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
+    model: nn.Module,
+    qstate: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    changed: Set[str] | None = None,
 ) -> nn.Module:
-    """The same int8 weights, dequantized into a float model (CUDA, MPS)."""
-    model.load_state_dict({name: float_value(qstate, name, aliases) for name in model.state_dict()})
+    """The same int8 weights, dequantized into a float model (CUDA, MPS);
+    with `changed`, only the tensors a patch rewrote."""
+    if changed is None:
+        model.load_state_dict(
+            {name: float_value(qstate, name, aliases) for name in model.state_dict()}
+        )
+        return model
+    names = [n for n in model.state_dict() if _touched(lookup(qstate, n, aliases), changed)]
+    _copy_into(model, {n: float_value(qstate, n, aliases) for n in names})
     return model

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file as st_load_file
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
 from colonnade import pulse
@@ -162,7 +161,10 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
         if _file_sha(path) != meta.payload_sha256:
             raise VersionError(f"{key}: payload hash differs from meta.json")
         try:
-            state = st_load_file(path)
+            # Each tensor copied out of the file's mapping, which closes with
+            # the file: tensors left on it would point at unmapped memory.
+            with safe_open(path, framework="pt") as f:
+                state = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
         except (SafetensorError, ValueError, OSError) as e:
             raise VersionError(f"{key}: not a readable safetensors file ({e})") from None
     if pulse.state_sha256(state) != meta.state_sha256:

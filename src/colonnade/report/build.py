@@ -165,13 +165,23 @@ def build_report(store: ObjectStore) -> dict:
         },
         "staleness": {str(k): n for k, n in sorted(staleness.items())},
         "wall_s": wall,
-        "trainer_wait_fraction": round(sum(r.get("wait_seconds", 0.0) for r in rows) / step_s, 4)
-        if step_s
-        else None,
+        "trainer_wait_fraction": _share(rows, "wait_seconds", step_s),
+        # The share of step time spent waiting for the previous background publication.
+        "trainer_publish_blocked_fraction": _share(rows, "publish_blocked_seconds", step_s),
+        "publish_seconds_median": _median(r.get("publish_seconds") for r in rows),
         "max_lag": spec.max_lag if spec else None,
         "series": _series(rows, t0),
         "versions": versions,
     }
+
+
+def _share(rows: list[dict], key: str, total: float) -> float | None:
+    return round(sum(r.get(key, 0.0) for r in rows) / total, 4) if total else None
+
+
+def _median(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 4) if vals else None
 
 
 def _mean(values) -> float | None:

@@ -122,6 +122,7 @@ def render_html(report: dict) -> str:
             "rollouts_rejected",
             "wall_s",
             "trainer_wait_fraction",
+            "trainer_publish_blocked_fraction",
         )
     }
     headline["gate masked fraction"] = report["gate"]["masked_fraction"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from colonnade.background import Background
 from colonnade.envs import load_environment
 from colonnade.model import load_dequantized, load_int8, pick_device, tied_aliases
 from colonnade.protocol import (
@@ -156,10 +157,17 @@ class Worker:
         exporter = Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "worker", self.id, 10.0, exporter)
         self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0}
-        self.pending_time = {"sync_seconds": 0.0, "paced_seconds": 0.0}
+        # sync = apply (download, patch, hash) + load (the changed tensors into the engine)
+        self.pending_time = {
+            "sync_seconds": 0.0, "apply_seconds": 0.0, "load_seconds": 0.0, "paced_seconds": 0.0
+        }  # fmt: skip
         self.refused: set[str] = set()  # quarantined workers, read at each new version
         self.version_gap: float | None = None  # seconds between versions (moving average)
         self._synced_at = 0.0
+        self.engine: Engine | None = None  # built once the first version's weights load
+        self.prefetch = Background("fetch")  # the follower's next sync, while generating
+        self._fetched: tuple[set[str] | None, float] | None = None  # (changed keys, seconds)
+        self._bytes_counted = 0
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
@@ -173,7 +181,6 @@ class Worker:
         self.aliases = tied_aliases(model)
         self.device = pick_device(self.cfg.device)
         self.model = model
-        self.engine: Engine | None = None  # built once the first version's weights load
         self.mlx_model = None
         s = dict(self.spec.sampling)
         s["stop"] = tuple(s.get("stop", ()))
@@ -182,15 +189,19 @@ class Worker:
         self.tasks = list(self.env.tasks("train"))
         self.started = time.time()
 
-    def _load_weights(self) -> None:
+    def _load_weights(self, changed: set[str] | None = None) -> None:
+        """The follower's state into the engine: with `changed` (the state
+        keys the last sync rewrote), only those tensors."""
         state = self.follower.state
         if self.engine_kind == "mlx":
             self._load_mlx(state)
             return
+        if self.engine is None:
+            changed = None  # the first load converts the whole model
         if self.spec.precision == "int8" and self.device.type == "cpu":
-            load_int8(self.model, state, self.aliases)
+            load_int8(self.model, state, self.aliases, changed)
         else:
-            load_dequantized(self.model, state, self.aliases)
+            load_dequantized(self.model, state, self.aliases, changed)
         self.model.to(self.device)
         self.engine = Engine(self.model, self.tok, version=self.follower.version)
 
@@ -209,24 +220,64 @@ class Worker:
             return f"mlx-{self.spec.precision}"
         return f"{self.spec.precision}-{'w8' if self.device.type == 'cpu' else 'float'}"
 
-    def sync(self) -> None:
-        """Move to the newest version (if there is a newer one)."""
-        before, read = self.follower.version, self.follower.bytes_read
+    @property
+    def running_version(self) -> int | None:
+        """The version the engine generates with (None before the first)."""
+        return self.engine.version if self.engine is not None else self.follower.version
+
+    def _fetch(self) -> None:
+        """Move the follower to the newest version: download, patch, hash check.
+        Runs in the background (but for the first version) while the engine
+        generates with the weights it holds; PULSE leaves the tensors it did
+        not rewrite as they were (the same objects), so identity tells which
+        ones the engine must load."""
+        held = self.follower.state
         t0 = time.perf_counter()
-        if not self.follower.sync():
+        if self.follower.sync():
+            new = self.follower.state
+            changed = None if held is None else {k for k, t in new.items() if held.get(k) is not t}
+            self._fetched = (changed, time.perf_counter() - t0)
+
+    def sync(self) -> None:
+        """Bring the engine to the newest version the follower has fetched.
+
+        A worker stalls only for loading the changed tensors into its engine
+        (`load_seconds`): the apply (`apply_seconds`) ran beside generation.
+        While a fetch is still running the engine generates on, unless its
+        version already has its quota of batches, when waiting costs nothing.
+        """
+        if self.engine is None:
+            self._fetch()
+        elif self.prefetch.busy and not self.quota_full():
             return
-        self._load_weights()
+        else:
+            self.prefetch.wait()  # raises what the fetch raised
+        fetched, self._fetched = self._fetched, None
+        if fetched is not None:
+            self._install(*fetched)
+        self.prefetch.submit(self._fetch)
+
+    def _install(self, changed: set[str] | None, apply_seconds: float) -> None:
+        before = self.running_version
+        t0 = time.perf_counter()
+        self._load_weights(changed)
+        load = time.perf_counter() - t0
+        self.pending_time["apply_seconds"] += apply_seconds
+        self.pending_time["load_seconds"] += load
+        self.pending_time["sync_seconds"] += apply_seconds + load
         self.refused = self.read_quarantine()
         now = time.monotonic()
-        if before is not None and self.follower.version == before + 1:
+        if before is not None and self.running_version == before + 1:
             self.version_gap = moving_gap(self.version_gap, now - self._synced_at)
         self._synced_at = now
-        self.pending["sync_bytes"] += self.follower.bytes_read - read
-        log.info("now running v%d (was %s)", self.follower.version, before)
-        self.pending_time["sync_seconds"] += time.perf_counter() - t0
+        read = self.follower.bytes_read
+        self.pending["sync_bytes"] += read - self._bytes_counted
+        self._bytes_counted = read
+        log.info("now running v%d (was %s; apply %.2f s beside generation, load %.2f s)",
+                 self.running_version, before, apply_seconds, load)  # fmt: skip
 
     def make_batch(self) -> RolloutBatch:
-        v = self.follower.version
+        v = self.engine.version
         rng = random.Random(f"{self.cfg.seed}/{self.id}/{v}/{self.seq}")
         chosen = rng.sample(self.tasks, min(self.spec.groups_per_batch, len(self.tasks)))
         g = self.spec.group_size
@@ -269,7 +320,7 @@ class Worker:
             "device": str(self.device),
             "engine": self.engine_label(),
             "threads": torch.get_num_threads(),
-            "version": self.follower.version,
+            "version": self.running_version,
             "batches": self.batches,
             "bytes_synced": self.follower.bytes_read,  # weights downloaded by this process
             "time": time.time(),
@@ -302,7 +353,7 @@ class Worker:
             return False
         found = [
             keys.parse_rollout_key(k)
-            for k in self.store.list(keys.rollouts_dir(self.follower.version))
+            for k in self.store.list(keys.rollouts_dir(self.running_version))
         ]
         batches = sum(1 for f in found if f is not None and f[1] not in self.refused)
         return batches * self.spec.groups_per_batch >= need
@@ -310,7 +361,7 @@ class Worker:
     def wait_for_newer(self) -> bool:
         """Wait up to pace_seconds for a version newer than ours, the run's
         end or a stop; whether one came (False: make a batch anyway)."""
-        v, t0 = self.follower.version, time.monotonic()
+        v, t0 = self.running_version, time.monotonic()
         delay = poll_interval(self.version_gap, self.cfg.poll_seconds)
         try:
             while time.monotonic() - t0 < self.cfg.pace_seconds:
@@ -323,7 +374,7 @@ class Worker:
 
     def iteration(self) -> None:
         self.sync()
-        if self.follower.version is None:
+        if self.running_version is None:
             time.sleep(self.cfg.poll_seconds)
             return
         if self.quota_full() and self.wait_for_newer():
@@ -361,6 +412,10 @@ class Worker:
         try:
             self._loop()
         finally:
+            try:
+                self.prefetch.close()
+            except (StoreError, VersionError) as e:  # a fetch nobody will use any more
+                log.warning("the last background fetch failed: %s", e)
             self.telemetry.flush()
         log.info("worker %s: %d batches uploaded", self.id, self.batches)
         return 0

@@ -31,6 +31,12 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "store_retries": ("colonnade_store_retries_total", "counter", "store calls retried"),
     "rejected": ("colonnade_rejected_batches_total", "counter", "batches or groups rejected"),
     "sync_seconds": ("colonnade_sync_seconds", "histogram", "time to sync to a new version"),
+    "publish_blocked_seconds": (
+        "colonnade_trainer_publish_blocked_seconds",
+        "histogram",
+        "time a step waited for the previous background publication",
+    ),
+    "peak_mem_mb": ("colonnade_peak_memory_mb", "gauge", "peak device (or resident) memory"),
     "paced_seconds": (
         "colonnade_worker_paced_seconds_total",
         "counter",

@@ -178,7 +178,7 @@ class Collector:
             # Short polls first, then a tenth of a version's time: a fixed 1 s
             # poll cost the smoke preset a third of the trainer's time.
             cap = poll_interval(self.version_gap, self.poll_seconds)
-            time.sleep(min(cap, FLOOR * 2**polls))
+            time.sleep(min(cap, FLOOR * 2 ** min(polls, 16)))
             polls += 1
         out.wait_seconds = time.monotonic() - t0
         return out

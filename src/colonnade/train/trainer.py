@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from colonnade.background import Background
 from colonnade.envs import load_environment
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
@@ -46,7 +47,6 @@ from colonnade.store import NotFound, ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
-from .background import Background
 from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .collect import Collector
 from .distributed import Command, Dist, init_distributed

@@ -1,11 +1,13 @@
-"""Publication off the critical path: one job at a time, in order, in a thread.
+"""Work off the critical path: one job at a time, in order, in a thread.
 
-After the optimizer step the trainer hands a CPU snapshot of the weights to
-a job that encodes and uploads the version, and goes on to collect and train
-the next step meanwhile. `submit` first waits for the job in flight, so at
-most one publication runs and versions are committed in order; the time it
-waited is the step's `publish_blocked_seconds`. A job's error (the store
-down past its retries) is raised in the trainer at the next `wait`.
+The trainer publishes each version this way (after the optimizer step it
+hands a CPU snapshot to a job that encodes and uploads it, and goes on to
+collect and train the next step); a worker fetches the next version this way
+(download, patch, hash check) while its engine generates. `submit` first
+waits for the job in flight, so at most one runs and they finish in order;
+the time it waited is what the caller was blocked (the trainer's
+`publish_blocked_seconds`). A job's error (the store down past its retries)
+is raised in the caller at the next `wait`.
 """
 
 from __future__ import annotations
