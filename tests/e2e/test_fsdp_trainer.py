@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from colonnade import pulse
-from colonnade.protocol import Follower, keys, latest_version, read_meta
+from colonnade.protocol import keys, latest_version
 from colonnade.store import LocalStore
+from run_checks import check_consumed, check_versions
 
 DEADLINE = 60  # seconds from a rank's SIGKILL to the end of the job
 SMOKE_WARMSTART = {"model": "tiny", "env": "smoke", "good_fraction": 0.3, "steps": 300}
@@ -71,23 +71,6 @@ def _wait(cond, timeout, what):
         time.sleep(0.2)
 
 
-def _check_versions(store, last: int, anchor_every: int, max_lag: int) -> None:
-    metas = [read_meta(store, v) for v in range(last + 1)]
-    assert all(m is not None and m.version == v for v, m in enumerate(metas))
-    for v in range(last + 1):
-        f = Follower(store, anchor_every=anchor_every)
-        f.sync(v)
-        assert pulse.state_sha256(f.state) == metas[v].state_sha256
-    seen: dict[str, str] = {}
-    for ledger in store.list("trainer/consumed/"):
-        trained = int(ledger.split("/")[-1].split("-")[0])
-        for key in json.loads(store.get(ledger))["keys"]:
-            assert key not in seen, f"{key} consumed by {seen[key]} and {ledger}"
-            seen[key] = ledger
-            assert trained - 1 - keys.parse_rollout_key(key)[0] <= max_lag
-    assert seen, "no batches were consumed"
-
-
 @pytest.mark.timeout(600)
 def test_run_with_two_trainer_ranks_learns(cache, tmp_path):
     cache_root, _ = cache
@@ -104,7 +87,9 @@ def test_run_with_two_trainer_ranks_learns(cache, tmp_path):
     before, after = report["eval"]["before"], report["eval"]["after"]
     assert report["status"] == "finished" and after["version"] == 16
     assert after["pass_at_1"] >= before["pass_at_1"] + 0.3, (before, after)
-    _check_versions(LocalStore(out / "store"), 16, anchor_every=10, max_lag=2)
+    store = LocalStore(out / "store")
+    check_versions(store, 16, anchor_every=10)
+    check_consumed(store, max_lag=2)
 
 
 @pytest.mark.timeout(600)
@@ -144,7 +129,8 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
                 p.kill()
     assert "resumed run" in (tmp_path / "job2.log").read_text()
     assert latest_version(store) == 10 > killed_at
-    _check_versions(store, 10, anchor_every=3, max_lag=1)
+    check_versions(store, 10, anchor_every=3)
+    check_consumed(store, max_lag=1)
     state = json.loads(store.get(keys.checkpoint_dir(10) + "state.json"))
     assert state["ranks"] == 2 and len(state["shards"]) == 2
 

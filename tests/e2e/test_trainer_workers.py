@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from colonnade import pulse
-from colonnade.protocol import Follower, keys, latest_version, read_meta
+from colonnade.protocol import keys, latest_version
 from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
+from run_checks import check_consumed, check_versions
 
 MAX_VERSIONS = 7
 MAX_LAG = 1
@@ -89,25 +89,11 @@ def test_run_survives_a_trainer_kill(tmp_path):
     assert "resumed run" in log2
     assert latest_version(store) == MAX_VERSIONS > killed_at
 
-    metas = [read_meta(store, v) for v in range(MAX_VERSIONS + 1)]
-    assert all(m is not None and m.version == v for v, m in enumerate(metas))
+    metas = check_versions(store, MAX_VERSIONS, anchor_every=3)
     assert [m.kind for m in metas] == [
         "full" if v % 3 == 0 else "patch" for v in range(MAX_VERSIONS + 1)
     ]
-    for v in range(MAX_VERSIONS + 1):
-        f = Follower(store, anchor_every=3)
-        f.sync(v)
-        assert pulse.state_sha256(f.state) == metas[v].state_sha256
-
-    seen: dict[str, str] = {}
-    for ledger in store.list("trainer/consumed/"):
-        trained = int(ledger.split("/")[-1].split("-")[0])
-        for key in json.loads(store.get(ledger))["keys"]:
-            assert key not in seen, f"{key} consumed by {seen[key]} and {ledger}"
-            seen[key] = ledger
-            version = keys.parse_rollout_key(key)[0]
-            assert trained - 1 - version <= MAX_LAG
-    assert seen, "no batches were consumed"
+    check_consumed(store, MAX_LAG)
     rows = read_rows(store, "trainer")["trainer-main"]
     assert {r["version"] for r in rows} >= set(range(killed_at + 1, MAX_VERSIONS + 1))
     for r in rows:

@@ -17,11 +17,11 @@ import time
 
 import pytest
 
-from colonnade import pulse
 from colonnade.launch.processes import spawn
-from colonnade.protocol import Follower, decode_batch, keys, latest_version, read_meta
+from colonnade.protocol import decode_batch, keys, latest_version
 from colonnade.protocol.signing import strip_unsigned
 from colonnade.store import LocalStore
+from run_checks import check_consumed, check_versions
 
 VERSIONS, MAX_LAG, ANCHOR = 8, 1, 4
 KILLS = 4
@@ -72,19 +72,8 @@ def test_random_sigkills_leave_a_consistent_run(tmp_path, seed, monkeypatch):
     (tmp_path / "kills.json").write_text(json.dumps(killed))
 
     assert latest_version(store) == VERSIONS
-    metas = [read_meta(store, v) for v in range(VERSIONS + 1)]
-    assert all(m is not None and m.version == v for v, m in enumerate(metas))
-    for v in range(VERSIONS + 1):
-        f = Follower(store, ANCHOR)
-        f.sync(v)
-        assert pulse.state_sha256(f.state) == metas[v].state_sha256
-    seen = {}
-    for ledger in store.list("trainer/consumed/"):
-        trained = int(ledger.split("/")[-1].split("-")[0])
-        for key in json.loads(store.get(ledger))["keys"]:
-            assert key not in seen, f"{key} consumed by {seen[key]} and {ledger}"
-            seen[key] = ledger
-            assert trained - 1 - keys.parse_rollout_key(key)[0] <= MAX_LAG
+    check_versions(store, VERSIONS, ANCHOR)
+    check_consumed(store, MAX_LAG)
     # No partial object: every rollout decodes, every listed checkpoint is complete.
     for key in store.list("rollouts/"):
         decode_batch(strip_unsigned(store.get(key)), 1 << 20, 1 << 16)

@@ -13,11 +13,10 @@ from colonnade.cli.main import main
 from colonnade.model import tied_aliases
 from colonnade.store import LocalStore
 from colonnade.train.checkpoint import (
+    Checkpointer,
     init_adam_state,
     latest_checkpoint,
-    load_checkpoint,
     prune_checkpoints,
-    save_checkpoint,
 )
 from colonnade.train.distributed import Dist
 from colonnade.train.policy import build_policy
@@ -45,9 +44,9 @@ def test_a_checkpoint_restores_weights_and_adam_exactly(tiny, tmp_path):
     store = LocalStore(tmp_path / "store")
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 0)
-    save_checkpoint(store, 3, a, opt_a, Dist(), tmp_path / "staging", aliases, {"x": 1})
+    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases).save(3, {"x": 1})
     b, opt_b, _ = _policy_and_opt(tiny)
-    state = load_checkpoint(store, 3, b, opt_b, Dist(), tmp_path / "staging", aliases)
+    state = Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases).load(3)
     assert state["x"] == 1 and state["ranks"] == 1 and latest_checkpoint(store) == 3
     for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), n

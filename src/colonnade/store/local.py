@@ -72,18 +72,15 @@ class LocalStore(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         self._check_put(key, data)
-        path = self._path(key)
-        tmp = self._write_temp(path, data)
-        try:
-            os.replace(tmp, path)
-        except IsADirectoryError:
-            Path(tmp).unlink(missing_ok=True)
-            raise StoreError(f"{self.url}: {key} is a directory of other keys") from None
-        self._fsync_dir(path.parent)
+        self._replace(key, data)
 
     def put_file(self, key: str, path: Path) -> None:
+        self._replace(key, Path(path))
+
+    def _replace(self, key: str, data: bytes | Path) -> None:
+        """Write `data` (bytes or a file's contents) under `key`, atomically."""
         target = self._path(key)
-        tmp = self._write_temp(target, Path(path))
+        tmp = self._write_temp(target, data)
         try:
             os.replace(tmp, target)
         except IsADirectoryError:

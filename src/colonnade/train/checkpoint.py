@@ -27,6 +27,7 @@ import logging
 import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,39 +85,75 @@ def staging_dir(root: Path, store: ObjectStore, what: str) -> Path:
     return Path(root) / f"{tag}-{what}"
 
 
-def save_checkpoint(
-    store: ObjectStore,
-    version: int,
-    policy,
-    opt,
-    where: Dist,
-    staging: Path,
-    aliases: dict[str, str],
-    facts: dict,
-) -> None:
-    """Collective: every rank saves and uploads its shard; rank 0 commits."""
-    import torch.distributed.checkpoint as dcp
+@dataclass
+class Checkpointer:
+    """What a checkpoint is made of and where it goes, for every rank."""
 
-    sd, _ = _state_dicts(policy, opt, aliases)
-    local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
-    shutil.rmtree(local, ignore_errors=True)
-    writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
-    with _single_process_quiet():
-        dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
-    prefix = keys.checkpoint_dir(version)
-    for f in sorted(local.glob("*.safetensors")):
-        store.put_file(prefix + f.name, f)
-    shutil.rmtree(local, ignore_errors=True)
-    where.barrier()  # every shard is up
-    if where.leader:
-        shards = {
-            k.rsplit("/", 1)[1]: store.size(k)
-            for k in store.list(prefix)
-            if k.endswith(".safetensors")
-        }
-        doc = {**facts, "version": version, "format": FORMAT, "ranks": where.world,
-               "shards": shards}  # fmt: skip
-        store.put_if_absent(prefix + STATE, json.dumps(doc).encode())
+    store: ObjectStore
+    policy: object  # the Policy (FSDP-sharded or not)
+    opt: torch.optim.Optimizer
+    where: Dist
+    staging: Path  # a local folder with room for one checkpoint
+    aliases: dict[str, str]  # tied parameter names, saved once
+
+    def save(self, version: int, facts: dict | None = None) -> None:
+        """Collective: every rank saves and uploads its shard; rank 0 commits."""
+        import torch.distributed.checkpoint as dcp
+
+        store, where, staging = self.store, self.where, self.staging
+        sd, _ = _state_dicts(self.policy, self.opt, self.aliases)
+        local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
+        shutil.rmtree(local, ignore_errors=True)
+        writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
+        with _single_process_quiet():
+            dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
+        prefix = keys.checkpoint_dir(version)
+        for f in sorted(local.glob("*.safetensors")):
+            store.put_file(prefix + f.name, f)
+        shutil.rmtree(local, ignore_errors=True)
+        where.barrier()  # every shard is up
+        if where.leader:
+            shards = {
+                k.rsplit("/", 1)[1]: store.size(k)
+                for k in store.list(prefix)
+                if k.endswith(".safetensors")
+            }
+            doc = {**(facts or {}), "version": version, "format": FORMAT, "ranks": where.world,
+                   "shards": shards}  # fmt: skip
+            store.put_if_absent(prefix + STATE, json.dumps(doc).encode())
+
+    def load(self, version: int) -> dict:
+        """Collective: restore weights and AdamW state in place; the saved state.json."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        store, where, staging = self.store, self.where, self.staging
+        state = read_state(store, version)
+        local = staging_dir(staging, store, f"load-{version:08d}")
+        if where.local_rank == 0:
+            shutil.rmtree(local, ignore_errors=True)
+            for name, size in state["shards"].items():
+                store.get_file(keys.checkpoint_dir(version) + name, local / name, max_bytes=size)
+        where.barrier()
+        sd, groups = _state_dicts(self.policy, self.opt, self.aliases)
+        reader = dcp.HuggingFaceStorageReader(str(local))
+        with _single_process_quiet():
+            dcp.load(sd, storage_reader=reader, no_dist=not where.sharded)
+        # strict=False: only the tied head's second name is absent, on purpose.
+        set_state_dict(
+            self.policy,
+            self.opt,
+            model_state_dict=sd["model"],
+            optim_state_dict={"state": sd["optim"], "param_groups": groups},
+            options=StateDictOptions(strict=False),
+        )
+        where.barrier()
+        if where.local_rank == 0:
+            shutil.rmtree(local, ignore_errors=True)
+        if state["ranks"] != where.world:
+            log.info("checkpoint v%d: saved by %d ranks, resharded to %d", version,
+                     state["ranks"], where.world)  # fmt: skip
+        return state
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:
@@ -135,47 +172,6 @@ def read_state(store: ObjectStore, version: int) -> dict:
             f"checkpoint v{version} is in format {state.get('format', 'unsharded-1')!r}; this "
             f"trainer reads {FORMAT!r} (written by colonnade since the FSDP2 trainer)"
         )
-    return state
-
-
-def load_checkpoint(
-    store: ObjectStore,
-    version: int,
-    policy,
-    opt,
-    where: Dist,
-    staging: Path,
-    aliases: dict[str, str],
-) -> dict:
-    """Collective: restore weights and AdamW state in place; the saved state.json."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    state = read_state(store, version)
-    local = staging_dir(staging, store, f"load-{version:08d}")
-    if where.local_rank == 0:
-        shutil.rmtree(local, ignore_errors=True)
-        for name, size in state["shards"].items():
-            store.get_file(keys.checkpoint_dir(version) + name, local / name, max_bytes=size)
-    where.barrier()
-    sd, groups = _state_dicts(policy, opt, aliases)
-    reader = dcp.HuggingFaceStorageReader(str(local))
-    with _single_process_quiet():
-        dcp.load(sd, storage_reader=reader, no_dist=not where.sharded)
-    # strict=False: only the tied head's second name is absent, on purpose.
-    set_state_dict(
-        policy,
-        opt,
-        model_state_dict=sd["model"],
-        optim_state_dict={"state": sd["optim"], "param_groups": groups},
-        options=StateDictOptions(strict=False),
-    )
-    where.barrier()
-    if where.local_rank == 0:
-        shutil.rmtree(local, ignore_errors=True)
-    if state["ranks"] != where.world:
-        log.info("checkpoint v%d: saved by %d ranks, resharded to %d", version,
-                 state["ranks"], where.world)  # fmt: skip
     return state
 
 

@@ -47,7 +47,7 @@ from colonnade.store import NotFound, ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
-from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import Checkpointer, latest_checkpoint, prune_checkpoints
 from .collect import Collector
 from .distributed import Command, Dist, init_distributed
 from .loss import GateConfig
@@ -219,7 +219,10 @@ class Trainer:
         self.opt = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
-        self.staging = Path(cfg.staging_dir or cache_root() / "staging")
+        self.checkpoints = Checkpointer(
+            self.store, self.policy, self.opt, self.where,
+            Path(cfg.staging_dir or cache_root() / "staging"), self.aliases,
+        )  # fmt: skip
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
             micro_tokens=cfg.micro_tokens,
@@ -265,17 +268,13 @@ class Trainer:
 
     def _save(self, v: int) -> None:
         self._command(Command.CHECKPOINT, v)
-        facts = {"instance": self.instance}
-        save_checkpoint(
-            self.store, v, self.policy, self.opt, self.where, self.staging, self.aliases, facts
-        )
+        self.checkpoints.save(v, {"instance": self.instance})
         if self.where.leader and self.cfg.keep_checkpoints > 0:
             prune_checkpoints(self.store, self.cfg.keep_checkpoints)
 
     def _load(self, v: int) -> None:
         self._command(Command.LOAD, v)
-        load_checkpoint(self.store, v, self.policy, self.opt, self.where, self.staging,
-                        self.aliases)  # fmt: skip
+        self.checkpoints.load(v)
 
     def follow(self) -> None:
         """Ranks other than 0: do what rank 0 announces until it says DONE."""
@@ -291,11 +290,9 @@ class Trainer:
             elif cmd == Command.SNAPSHOT:
                 full_state(self.policy, self.where, self.aliases)
             elif cmd == Command.CHECKPOINT:
-                save_checkpoint(self.store, arg, self.policy, self.opt, self.where,
-                                self.staging, self.aliases, {})  # fmt: skip
+                self.checkpoints.save(arg)
             elif cmd == Command.LOAD:
-                load_checkpoint(self.store, arg, self.policy, self.opt, self.where,
-                                self.staging, self.aliases)  # fmt: skip
+                self.checkpoints.load(arg)
 
     # -- start or resume (rank 0) ----------------------------------------------------------
     def open(self) -> None:
