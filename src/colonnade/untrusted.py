@@ -1,15 +1,22 @@
-"""Decompressing bytes from strangers (rollout batches, patches) within a stated bound.
+"""Bytes from strangers (rollout batches, patches, heartbeats), opened within stated bounds.
 
-One place for zstandard's trap: it allocates the output size a frame
-declares, whatever `max_output_size` says, so a frame of a few bytes that
-declares 2^61 bytes raised MemoryError and one declaring a few GB was a
-memory bomb. The declared size is checked first; the bound still holds for
-frames that declare none.
+- `decompress`: zstandard's trap is that it allocates the output size a
+  frame declares, whatever `max_output_size` says, so a frame of a few bytes
+  that declares 2^61 bytes raised MemoryError and one declaring a few GB was
+  a memory bomb. The declared size is checked first; the bound still holds
+  for frames that declare none.
+- `json_depth`: Python's JSON parser recurses once per nesting level, so a
+  600-byte document nested deeply enough raised RecursionError out of the
+  parser (and a shallower one out of whatever walked the result). The depth
+  is measured on the raw bytes, in a few vectorised passes, before parsing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import zstandard
+
+MAX_JSON_DEPTH = 32  # protocol documents nest 5 levels at most
 
 
 def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
@@ -28,3 +35,31 @@ def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
         raise ValueError(f"zstd: {e}") from None
     except MemoryError:  # what is left of the trap: a declared size under the limit
         raise ValueError(f"zstd frame declares {declared} bytes, too many to allocate") from None
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of [ and { outside strings in a JSON text.
+
+    Escapes are neutralised first (backslash pairs, then escaped quotes:
+    both non-overlapping, left to right, as a JSON reader pairs them), so
+    the quotes left toggle strings. Invalid JSON may be measured wrongly,
+    but the parser then fails no deeper than the bytes before its error.
+    """
+    plain = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    a = np.frombuffer(plain, dtype=np.uint8)
+    if a.size == 0:
+        return 0
+    outside = (np.cumsum(a == ord('"')) % 2) == 0
+    step = np.zeros(a.size, dtype=np.int32)
+    step[((a == ord("[")) | (a == ord("{"))) & outside] = 1
+    step[((a == ord("]")) | (a == ord("}"))) & outside] = -1
+    return int(np.cumsum(step).max(initial=0))
+
+
+def check_json(data: bytes, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """ValueError unless `data` is within `max_bytes` and nests at most `max_depth`."""
+    if len(data) > max_bytes:
+        raise ValueError(f"document of {len(data)} bytes exceeds {max_bytes}")
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise ValueError(f"document nests {depth} levels deep, more than {max_depth}")

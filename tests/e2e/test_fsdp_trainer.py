@@ -64,9 +64,10 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and "State:\tZ" in status.read_text())
 
 
-def _wait(cond, timeout, what):
+def _wait(cond, timeout, what, procs=()):
     t0 = time.monotonic()
     while not cond():
+        assert all(p.poll() is None for p in procs), f"a process ended before {what}"
         assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
         time.sleep(0.2)
 
@@ -104,12 +105,12 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
     job = _torchrun(args, tmp_path / "job1.log", env)
     worker = None
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json")
+        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [job])
         worker = subprocess.Popen(
             [sys.executable, "-m", "colonnade", "worker", "--store", str(root), "--id", "w1"],
             stdout=(tmp_path / "w1.log").open("w"), stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-        _wait(lambda: (latest_version(store) or 0) >= 4, 240, "v4")
+        _wait(lambda: (latest_version(store) or 0) >= 4, 240, "v4", [job, worker])
         pids = dict(re.findall(r"rank (\d) of 2 on cpu \(gloo\), pid (\d+)",
                                (tmp_path / "job1.log").read_text()))  # fmt: skip
         os.kill(int(pids["1"]), signal.SIGKILL)

@@ -26,9 +26,9 @@ def keydir(tmp_path):
     return tmp_path / "keys"
 
 
-def _payload(worker="w1", version=0, seq=0):
+def _payload(worker="w1", version=0, seq=0, task="t1"):
     ep = EpisodeRecord([1, 2], [True, True], [-0.1, -0.2], "done")
-    return encode_batch(RolloutBatch(worker, version, seq, [GroupRecord("t1", [ep, ep])]))
+    return encode_batch(RolloutBatch(worker, version, seq, [GroupRecord(task, [ep, ep])]))
 
 
 def test_sign_and_verify(keydir):
@@ -88,9 +88,10 @@ def test_collector_takes_only_signed_batches_once(tmp_path, keydir):
 
     put("w1", 0, sign(w1, keys.rollout_key(0, "w1", 0), _payload(seq=0)))  # good
     put("w1", 1, sign(w1, keys.rollout_key(0, "w1", 1), _payload(seq=0)))  # replayed payload
-    put("w1", 2, _payload(seq=2))  # unsigned
-    put("w2", 0, sign(w1, keys.rollout_key(0, "w2", 0), _payload("w2")))  # w1 signing as w2
-    put("w9", 0, _payload("w9"))  # no registered key: unsigned comes first
+    put("w1", 2, _payload(seq=2, task="t2"))  # unsigned
+    # w1 signing as w2
+    put("w2", 0, sign(w1, keys.rollout_key(0, "w2", 0), _payload("w2", task="t3")))
+    put("w9", 0, _payload("w9", task="t4"))  # no registered key: unsigned comes first
     c = Collector(store, _rebuild, 10, 8, 1, 0.01, keyring=load_keyring(keydir))
     got = c.collect(0, need=5, timeout=0.3)
     assert len(got.groups) == 1 and len(got.digests) == 1

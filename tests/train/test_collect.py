@@ -29,12 +29,15 @@ def test_window_consumption_and_stale_counting(tmp_path):
     assert sorted(g[0].version for g in got.groups) == [2, 3]
     assert dict(got.staleness) == {1: 1, 0: 1}
     assert c.counts["batches_dropped_stale"] == 2  # v0 and v1
-    assert c.counts["groups_rejected"] == 1 and c.counts["batches_rejected"] == 1
+    # The garbage object, and the batch whose only group failed its replay.
+    assert c.counts["groups_rejected"] == 1 and c.counts["batches_rejected"] == 2
+    assert c.counts["rejected_schema"] == 1 and c.counts["rejected_groups"] == 1
+    assert sorted(got.rejected) == [keys.rollout_key(3, w, 0) for w in ("w2", "w3")]
     assert c.per_worker["w2"]["groups_rejected"] == 1
     # Nothing is taken twice: the next collection waits for new batches.
     again = c.collect(3, need=1, timeout=0.2)
     assert again.groups == [] and again.wait_seconds >= 0.2
-    _put(store, 3, "w1", 9)
+    _put(store, 3, "w1", 9, task="t9")
     assert len(c.collect(3, need=1, timeout=1).groups) == 1
     # A collector that starts from the persisted keys skips them too.
     c2 = Collector(store, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))

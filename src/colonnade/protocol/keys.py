@@ -30,12 +30,16 @@ LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 ROLLOUT_EXT = ".json.zst"
 
-_WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_ROLLOUT = re.compile(r"^rollouts/(\d{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{6})\.json\.zst$")
+# fullmatch with explicit ASCII classes: `$` would let a trailing newline
+# through, and `\d` any Unicode digit.
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_ROLLOUT = re.compile(
+    r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.json\.zst"
+)
 
 
 def check_worker_id(worker: str) -> str:
-    if not _WORKER_ID.match(worker):
+    if not isinstance(worker, str) or not _WORKER_ID.fullmatch(worker):
         raise ValueError(
             f"invalid worker id {worker!r}: 1-64 of letters, digits, '_', '.', '-' "
             "(starting with a letter or digit)"
@@ -73,7 +77,7 @@ def rollout_key(v: int, worker: str, seq: int) -> str:
 
 def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
     """(version, worker, seq) of a rollout key, None for anything else."""
-    m = _ROLLOUT.match(key)
+    m = _ROLLOUT.fullmatch(key) if isinstance(key, str) else None
     return (int(m[1]), m[2], int(m[3])) if m else None
 
 

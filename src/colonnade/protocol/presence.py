@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from colonnade.store import NotFound, ObjectStore
+from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
 from .schemas import MAX_JSON_BYTES, loads
 
@@ -13,9 +13,12 @@ def worker_heartbeats(store: ObjectStore) -> dict[str, dict]:
     for key in store.list("workers/"):
         try:
             hb = loads(store.get(key, max_bytes=MAX_JSON_BYTES))
-        except (NotFound, ValueError):  # SchemaError is a ValueError
+        except StoreUnavailable:
+            raise
+        except (StoreError, ValueError):  # not an object, too large, not our JSON
             continue
-        out[str(hb.get("worker", key))] = hb
+        worker = hb.get("worker")
+        out[worker if isinstance(worker, str) else key] = hb
     return out
 
 

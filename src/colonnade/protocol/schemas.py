@@ -7,11 +7,13 @@ SchemaError with the first problem. Nothing here uses pickle or eval.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import zstandard
 
 from colonnade import untrusted
@@ -42,11 +44,15 @@ def _num(x: Any) -> bool:
 
 
 def loads(data: bytes, limit: int = MAX_JSON_BYTES) -> dict:
-    _need(len(data) <= limit, f"document of {len(data)} bytes exceeds {limit}")
+    """A JSON object from untrusted bytes, bounded in size and depth before
+    parsing; SchemaError otherwise."""
     try:
+        untrusted.check_json(data, limit)
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SchemaError(f"not JSON: {e}") from None
+    except ValueError as e:  # the bounds, JSONDecodeError, UnicodeDecodeError
+        raise SchemaError(f"not a JSON document we accept: {e}") from None
+    except RecursionError:  # a second net under the depth bound
+        raise SchemaError("not a JSON document we accept: nested too deeply") from None
     _need(isinstance(doc, dict), "document is not a JSON object")
     return doc
 
@@ -205,14 +211,37 @@ def _episode(e: Any, vocab: int, max_tokens: int) -> EpisodeRecord:
     return EpisodeRecord(list(toks), [c == "1" for c in mask], [float(x) for x in lps], e["finish"])
 
 
-def decode_batch(data: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
-    """A validated batch from untrusted bytes, or SchemaError."""
+def batch_bytes_bound(episodes: int, max_tokens: int) -> int:
+    """The decompressed size a batch of `episodes` episodes of at most
+    `max_tokens` tokens can need: a token id, its mask character and its
+    log-prob take under 40 bytes of JSON. What a run asks of its workers
+    bounds what the trainer will inflate and parse."""
+    return min(MAX_BATCH_BYTES, episodes * max_tokens * 40 + (64 << 10))
+
+
+def content_digest(group: GroupRecord, version: int) -> str:
+    """The same episodes give the same digest however they are encoded,
+    compressed, signed or named: the task, the policy version and every
+    episode's token ids, in order."""
+    h = hashlib.sha256(json.dumps([version, group.task_id]).encode())
+    for e in group.episodes:
+        ids = np.asarray(e.tokens, dtype=np.int64)
+        h.update(np.int64(ids.size).tobytes())
+        h.update(ids.tobytes())
+    return h.hexdigest()
+
+
+def decode_batch(
+    data: bytes, vocab: int, max_tokens: int, max_raw: int = MAX_BATCH_BYTES
+) -> RolloutBatch:
+    """A validated batch from untrusted bytes, or SchemaError. `max_raw`
+    bounds the decompressed JSON (see `batch_bytes_bound`)."""
     _need(len(data) <= MAX_BATCH_BYTES, "batch too large")
     try:
-        raw = untrusted.decompress(data, MAX_BATCH_BYTES)
+        raw = untrusted.decompress(data, max_raw)
     except ValueError as e:
         raise SchemaError(f"not a batch: {e}") from None
-    d = loads(raw, MAX_BATCH_BYTES)
+    d = loads(raw, max_raw)
     # `engine` is optional: batches from workers older than the field still parse.
     _need(set(d) in (BATCH_FIELDS, BATCH_FIELDS | {"engine"}), "batch fields")
     engine = d.get("engine", "torch")

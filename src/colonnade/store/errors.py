@@ -12,6 +12,11 @@ class NotFound(StoreError, KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+class InvalidObject(StoreError):
+    """What lies under a key is not an object: a FIFO, socket, device or
+    symlink in a local store, or a path that leads out of it."""
+
+
 class ObjectTooLarge(StoreError):
     """An object exceeds the size bound of the read or write."""
 

@@ -5,6 +5,17 @@ The collector lists `rollouts/{u}/` for the versions u the step may use
 groups, and remembers every key it took, so no batch trains twice, across
 restarts too (the trainer persists the keys per version). Batches of
 versions that fell out of the window are counted once, as dropped.
+
+Everything under `rollouts/` comes from strangers. Whatever one object
+holds (not a file, too large, a zstd bomb, JSON nested to blow the stack,
+bad schema, a signature that fails, episodes that do not replay), it is
+rejected, counted under a reason, and the collector moves on; only an
+unavailable store is raised, to be retried. Replays are recognised by
+content, not bytes: a group's digest covers its task, version and token
+ids, so the same episodes re-encoded or re-signed under another name are a
+replay, and a digest is remembered only once its group is accepted, so a
+rejected copy cannot shut out the original. When two workers send the same
+episodes, the first accepted wins and the other is counted as a replay.
 """
 
 from __future__ import annotations
@@ -17,10 +28,11 @@ from dataclasses import dataclass, field
 
 from colonnade.protocol import SchemaError, decode_batch, keys
 from colonnade.protocol.polling import FLOOR, poll_interval
-from colonnade.protocol.signing import SignatureRejected, digest, strip_unsigned, verify
-from colonnade.store import NotFound, ObjectStore
+from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, content_digest
+from colonnade.protocol.signing import SignatureRejected, strip_unsigned, verify
+from colonnade.store import InvalidObject, NotFound, ObjectStore, ObjectTooLarge, StoreUnavailable
 
-from .samples import Rejected, Sample
+from .samples import Sample
 
 log = logging.getLogger("colonnade.trainer")
 
@@ -28,10 +40,11 @@ log = logging.getLogger("colonnade.trainer")
 @dataclass
 class Collected:
     groups: list[list[Sample]]
-    keys: list[str]
+    keys: list[str]  # batches trained on (at least one group accepted)
     staleness: Counter  # version lag -> groups
     wait_seconds: float
-    digests: list[str] = field(default_factory=list)  # of the payloads taken
+    digests: list[str] = field(default_factory=list)  # content digests of the groups taken
+    rejected: list[str] = field(default_factory=list)  # batches taken and refused whole
 
 
 def take_order(fresh: dict[int, list[str]]) -> list[str]:
@@ -67,8 +80,9 @@ class Collector:
     counts: Counter = field(default_factory=Counter)
     per_worker: dict[str, Counter] = field(default_factory=dict)
     keyring: dict | None = None  # worker -> public key; None: signatures not required
-    seen: set[str] = field(default_factory=set)  # payload digests already taken
+    seen: set[str] = field(default_factory=set)  # content digests of groups trained on
     quarantined: set[str] = field(default_factory=set)  # workers whose batches are refused
+    max_raw: int = MAX_BATCH_BYTES  # decompressed bytes a batch of this run may hold
 
     def _reject(self, key: str, worker: str, reason: str, error: Exception) -> list:
         log.warning("rejected batch %s (%s): %s", key, reason, error)
@@ -92,42 +106,70 @@ class Collector:
             self.consumed.update(stale)
         self.swept_below = max(self.swept_below, lowest)
 
+    def _read(self, key: str, version: int, worker: str):
+        """The batch at `key`, or a rejection reason and the error; an
+        unavailable store is raised."""
+        try:
+            data = self.store.get(key, max_bytes=MAX_BATCH_BYTES)
+            batch = decode_batch(self._payload(key, data), self.vocab, self.max_tokens,
+                                 self.max_raw)  # fmt: skip
+            if batch.version != version or batch.worker != worker:
+                raise SchemaError("batch names another version or worker than its key")
+            return batch, None
+        except StoreUnavailable:
+            raise
+        except SignatureRejected as e:
+            return None, (e.reason, e)
+        except (InvalidObject, ObjectTooLarge, NotFound) as e:
+            return None, ("object", e)
+        except SchemaError as e:
+            return None, ("schema", e)
+        except Exception as e:  # the trust boundary: no object may stop the trainer
+            return None, ("invalid", e)
+
+    def _group(self, g: GroupRecord, version: int, worker: str, fresh: set[str]):
+        """(samples, None), or (None, "replay" | "rejected"), counted."""
+        stats = self.per_worker.setdefault(worker, Counter())
+        d = content_digest(g, version)
+        if d in self.seen or d in fresh:
+            self.counts["groups_replayed"] += 1
+            stats["groups_replayed"] += 1
+            return None, "replay"
+        try:
+            samples = self.rebuild(g, version)
+        except Exception as e:  # Rejected, or anything the replay tripped over
+            self.counts["groups_rejected"] += 1
+            stats["groups_rejected"] += 1
+            log.warning("rejected a group of %s from %s: %s", g.task_id[:64], worker, e)
+            return None, "rejected"
+        fresh.add(d)
+        for sample in samples:
+            sample.worker = worker
+        return samples, None
+
     def _take(self, key: str, v: int, out: Collected) -> list[list[Sample]]:
         parsed = keys.parse_rollout_key(key)
         if parsed is None:
             return []
         version, worker, _ = parsed
-        stats = self.per_worker.setdefault(worker, Counter())
-        if worker in self.quarantined:
-            return self._reject(key, worker, "quarantined", SchemaError("worker is quarantined"))
-        try:
-            payload = self._payload(key, self.store.get(key))
-            d = digest(payload)
-            if d in self.seen:
-                return self._reject(key, worker, "replay", SchemaError("payload seen before"))
-            self.seen.add(d)
-            out.digests.append(d)
-            batch = decode_batch(payload, self.vocab, self.max_tokens)
-            if batch.version != version or batch.worker != worker:
-                raise SchemaError("batch names another version or worker than its key")
-        except SignatureRejected as e:
-            return self._reject(key, worker, e.reason, e)
-        except (SchemaError, NotFound) as e:
-            return self._reject(key, worker, "schema", e)
-        self.counts[f"batches_from_{batch.engine}"] += 1
-        groups = []
-        for g in batch.groups:
-            try:
-                samples = self.rebuild(g, version)
-                for sample in samples:
-                    sample.worker = worker
-                groups.append(samples)
-            except (Rejected, KeyError) as e:
-                self.counts["groups_rejected"] += 1
-                stats["groups_rejected"] += 1
-                log.warning("rejected a group of %s from %s: %s", g.task_id, key, e)
-        stats["groups"] += len(groups)
-        return groups
+        batch, why = (None, ("quarantined", SchemaError("worker is quarantined")))
+        if worker not in self.quarantined:
+            batch, why = self._read(key, version, worker)
+        if batch is not None:
+            fresh: set[str] = set()
+            taken = [self._group(g, version, worker, fresh) for g in batch.groups]
+            groups = [samples for samples, _ in taken if samples is not None]
+            if groups:
+                self.seen |= fresh
+                out.digests.extend(sorted(fresh))
+                out.keys.append(key)
+                self.counts[f"batches_from_{batch.engine}"] += 1
+                self.per_worker[worker]["groups"] += len(groups)
+                return groups
+            replays = all(reason == "replay" for _, reason in taken)
+            why = ("replay" if replays else "groups", SchemaError("no group was accepted"))
+        out.rejected.append(key)
+        return self._reject(key, worker, *why)
 
     def collect(
         self,
@@ -152,7 +194,6 @@ class Collector:
             for key in take_order(fresh):
                 groups = self._take(key, v, out)
                 self.consumed.add(key)
-                out.keys.append(key)
                 for g in groups:
                     out.staleness[v - g[0].version] += 1
                 out.groups.extend(groups)

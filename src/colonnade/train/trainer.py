@@ -26,6 +26,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import alive, worker_heartbeats
-from colonnade.protocol.schemas import MAX_JSON_BYTES, dumps, loads
+from colonnade.protocol.schemas import MAX_JSON_BYTES, batch_bytes_bound, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.protocol.weights import VersionError
 from colonnade.rollout.episodes import episode_stops
@@ -305,16 +306,21 @@ class Trainer:
         train_ids = {t.id for t in self.env.tasks("train")}
         stop = episode_stops(self.spec.sampling["stop"], self.env)
         consumed, seen = self._consumed()
+        max_tokens = self.cfg.max_episode_tokens + self.cfg.max_turn_tokens
         self.collector = Collector(
             self.store,
             lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids),
             vocab=self.spec.vocab_size,
-            max_tokens=self.cfg.max_episode_tokens + self.cfg.max_turn_tokens,
+            max_tokens=max_tokens,
             max_lag=self.cfg.max_lag,
             poll_seconds=self.cfg.poll_seconds,
             consumed=consumed,
             seen=seen,
+            max_raw=batch_bytes_bound(
+                self.spec.groups_per_batch * self.spec.group_size, max_tokens
+            ),
         )
+        self._restore_counts()
         self.quarantine.decisions = self._read_quarantine()
         self.collector.quarantined = set(self.quarantine.decisions)
         if self.spec.signed and not self.cfg.worker_keys:
@@ -368,14 +374,30 @@ class Trainer:
         )
 
     def _consumed(self) -> tuple[set[str], set[str]]:
-        """(keys, payload digests) of every batch a trainer of this run took."""
+        """(keys, group content digests) of every batch a trainer of this run took,
+        trained on or rejected."""
         taken: set[str] = set()
         seen: set[str] = set()
         for key in self.store.list("trainer/consumed/"):
             doc = json.loads(self.store.get(key, max_bytes=64 << 20))
             taken.update(doc["keys"])
+            taken.update(doc.get("rejected", ()))
             seen.update(doc["digests"])
         return taken, seen
+
+    def _restore_counts(self) -> None:
+        """Resumed: the collector's counters go on from the last row written,
+        so totals (rejections by reason, drops) cover the whole run."""
+        last = self.telemetry.rows[-1] if self.telemetry.rows else {}
+        counted = ("batches_", "groups_", "rejected_")
+        for k, n in last.items():
+            if k.startswith(counted) and isinstance(n, int):
+                self.collector.counts[k] = n
+        for w, c in (last.get("per_worker") or {}).items():
+            if isinstance(c, dict):
+                self.collector.per_worker[w] = Counter(
+                    {k: n for k, n in c.items() if isinstance(n, int)}
+                )
 
     def _read_quarantine(self) -> dict:
         try:
@@ -475,7 +497,8 @@ class Trainer:
     def _write_ledger(self, new_v: int, got) -> None:
         """The batches that trained `new_v`, recorded before it is published."""
         ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
-        doc = {"keys": sorted(got.keys), "digests": sorted(got.digests)}
+        doc = {"keys": sorted(got.keys), "rejected": sorted(got.rejected),
+               "digests": sorted(got.digests)}  # fmt: skip
         self.store.put(ledger, json.dumps(doc).encode())
 
     def _publish(self, state: dict[str, torch.Tensor], m: dict) -> None:

@@ -1,0 +1,343 @@
+"""What a hostile worker can put in the store, against the real collector and stores.
+
+Each case an attacker tried: JSON nested to blow the stack, things that are
+not files, objects far larger than a batch, zstd that inflates past what
+the run asks, copying an honest worker's payload first, replaying trained
+episodes re-encoded, keys with a newline or non-ASCII digits. The trainer's
+collector rejects each (counted under a reason) and goes on to the honest
+batch beside it; the local store never hangs, never reads past its bound
+and never writes outside its root.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import threading
+
+import pytest
+import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
+
+from colonnade.protocol import EpisodeRecord, GroupRecord, RolloutBatch, encode_batch, keys
+from colonnade.protocol.presence import worker_heartbeats
+from colonnade.protocol.schemas import SchemaError, loads
+from colonnade.protocol.signing import load_keyring, load_private, new_keypair, sign
+from colonnade.store import InvalidObject, LocalStore, ObjectTooLarge, StoreError
+from colonnade.train.collect import Collector
+from colonnade.train.samples import Sample
+from colonnade.untrusted import json_depth
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def _batch(worker, seq=0, version=0, task="t1", tokens=(1, 2)):
+    ep = EpisodeRecord(list(tokens), [True] * len(tokens), [-0.1] * len(tokens), "done")
+    return RolloutBatch(worker, version, seq, [GroupRecord(task, [ep, ep])])
+
+
+def _rebuild(group, version):
+    return [Sample(group.task_id, version, 1, [0, 1, 2], [True, True], [-0.1, -0.2], None)] * 2
+
+
+def _collector(store, **kw):
+    return Collector(store, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01, **kw)
+
+
+def _honest(store, worker="honest", seq=0, **kw):
+    key = keys.rollout_key(0, worker, seq)
+    store.put(key, encode_batch(_batch(worker, seq, **kw)))
+    return key
+
+
+def _in_time(fn, seconds=10):
+    """fn() in a thread; fails if it does not return in time (a hang)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "it hung"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+# -- 1. nesting -------------------------------------------------------------------------------
+
+
+def test_deep_json_is_a_schema_error_not_a_crash():
+    for doc in (DEEP, b'{"a":' * 300 + b"1" + b"}" * 300, b'{"x": ' + b"[" * 40 + b"]" * 40 + b"}"):
+        with pytest.raises(SchemaError, match=r"nests|JSON"):
+            loads(doc)
+    assert loads(b'{"a": [[1]], "s": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}') is not None
+
+
+def _nested(leaf, depth):
+    return [_nested(leaf, depth - 1)] if depth else leaf
+
+
+@given(
+    st.integers(0, 60),
+    st.text(alphabet='[]{}"\\ab', max_size=12),
+    st.booleans(),
+)
+def test_json_depth_measures_what_the_parser_sees(depth, text, as_object):
+    doc = _nested({"k": text} if as_object else text, depth)
+    data = json.dumps({"d": doc}).encode()
+    assert json_depth(data) == 1 + depth + (1 if as_object else 0)
+
+
+def test_a_deeply_nested_batch_is_rejected_and_the_honest_one_taken(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put(keys.rollout_key(0, "attacker", 0), zstandard.ZstdCompressor().compress(DEEP))
+    honest = _honest(store)
+    c = _collector(store)
+    got = c.collect(0, need=1, timeout=1)
+    assert got.keys == [honest] and len(got.groups) == 1
+    assert c.counts["rejected_schema"] == 1 and c.per_worker["attacker"]["batches_rejected"] == 1
+
+
+def test_a_deeply_nested_heartbeat_is_skipped(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put(keys.worker_key("attacker"), DEEP[:50_000] + DEEP[-50_000:])
+    store.put(keys.worker_key("nested"), b'{"worker": ' + b"[" * 30 + b"]" * 30 + b"}")
+    store.put(keys.worker_key("honest"), json.dumps({"worker": "honest", "time": 1.0}).encode())
+    hb = worker_heartbeats(store)
+    assert set(hb) == {"honest", "workers/nested.json"}
+
+
+# -- 2. things that are not files -------------------------------------------------------------
+
+
+def _plant(store, tmp_path, kind, key):
+    path = store.root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        # A socket's path is short (108 bytes): bound nearby, then moved in place.
+        short = tempfile.mkdtemp(dir=tmp_path.anchor + "tmp")
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(os.path.join(short, "s"))
+        os.rename(os.path.join(short, "s"), path)
+        return s
+    elif kind == "loop":
+        os.symlink(path.name, path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "outside":
+        (tmp_path / "secret").write_bytes(b"not yours")
+        os.symlink(tmp_path / "secret", path)
+    elif kind == "sparse":
+        with open(path, "wb") as f:
+            f.truncate(5 << 30)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "loop", "dev-zero", "outside", "sparse"])
+def test_objects_that_are_not_files_are_refused_at_once(tmp_path, kind):
+    store = LocalStore(tmp_path / "store")
+    key = keys.rollout_key(0, "attacker", 0)
+    held = _plant(store, tmp_path, kind, key)
+    try:
+        expected = ObjectTooLarge if kind == "sparse" else InvalidObject
+        with pytest.raises(expected):
+            _in_time(lambda: store.get(key, max_bytes=64 << 20))
+        honest = _honest(store)
+        c = _collector(store)
+        got = _in_time(lambda: c.collect(0, need=1, timeout=1))
+        assert got.keys == [honest] and got.rejected == [key]
+        assert c.counts["rejected_object"] == 1
+    finally:
+        if held is not None:
+            held.close()
+
+
+def test_a_file_where_a_folder_should_be_is_a_store_error(tmp_path):
+    store = LocalStore(tmp_path)
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "00000000").write_bytes(b"in the way")
+    with pytest.raises(StoreError, match="file stands where its folder should"):
+        store.put_if_absent(keys.rollout_key(0, "honest", 0), b"batch")
+
+
+def test_a_symlinked_folder_cannot_lead_writes_or_reads_outside(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "honest").mkdir()
+    (outside / "honest" / "000001.json.zst").write_bytes(b"outside")
+    (store.root / "rollouts").mkdir()
+    os.symlink(outside, store.root / "rollouts" / "00000000")
+    with pytest.raises(InvalidObject, match="out of the store"):
+        store.put_if_absent(keys.rollout_key(0, "honest", 0), b"batch")
+    with pytest.raises(InvalidObject):
+        store.get(keys.rollout_key(0, "honest", 1))
+    assert not (outside / "honest" / "000000.json.zst").exists()
+    assert store.list("rollouts/") == []  # a symlinked folder is not walked
+
+
+# -- 3. bounded reads ------------------------------------------------------------------------
+
+
+class Recording(LocalStore):
+    def get(self, key, *, max_bytes=None):
+        self.bounds = [*getattr(self, "bounds", []), max_bytes]
+        return super().get(key, max_bytes=max_bytes)
+
+
+def test_every_batch_read_is_bounded_and_inflation_is_bounded_by_the_run(tmp_path):
+    store = Recording(tmp_path)
+    # 6 KiB that inflates to 64 MiB of JSON: far more than a batch of this run holds.
+    bomb = b'{"x": "' + b"a" * (64 << 20) + b'"}'
+    store.put(keys.rollout_key(0, "attacker", 0), zstandard.ZstdCompressor(level=19).compress(bomb))
+    honest = _honest(store)
+    c = _collector(store, max_raw=1 << 20)
+    got = c.collect(0, need=1, timeout=1)
+    assert got.keys == [honest] and c.counts["rejected_schema"] == 1
+    assert store.bounds and all(b is not None and b <= 64 << 20 for b in store.bounds)
+
+
+# -- 4 and 5. replays ------------------------------------------------------------------------
+
+
+def test_a_copy_sent_first_under_another_name_does_not_shut_out_the_original(tmp_path):
+    store = LocalStore(tmp_path)
+    payload = encode_batch(_batch("honest"))
+    # "a-copycat" is taken before "honest" (workers in turn, by name).
+    store.put(keys.rollout_key(0, "a-copycat", 0), payload)
+    original = keys.rollout_key(0, "honest", 0)
+    store.put(original, payload)
+    c = _collector(store)
+    got = c.collect(0, need=1, timeout=1)
+    assert got.keys == [original] and len(got.groups) == 1
+    assert c.counts["rejected_schema"] == 1 and c.counts.get("rejected_replay", 0) == 0
+
+
+def test_trained_episodes_re_encoded_under_another_name_are_a_replay(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path)
+    _honest(store)
+    c = _collector(store)
+    first = c.collect(0, need=1, timeout=1)
+    assert len(first.groups) == 1 and len(first.digests) == 1
+    # The same episodes, other key order and compression, another name and seq.
+    stolen = json.loads(zstandard.ZstdDecompressor().decompress(encode_batch(_batch("honest"))))
+    stolen.update(worker="thief", seq=7)
+    body = json.dumps(dict(reversed(list(stolen.items())))).encode()
+    store.put(keys.rollout_key(0, "thief", 7), zstandard.ZstdCompressor(level=3).compress(body))
+    again = c.collect(0, need=1, timeout=0.3)
+    assert again.groups == [] and c.counts["rejected_replay"] == 1
+    # A restarted trainer knows them from the ledger's digests.
+    c2 = _collector(store, seen=set(first.digests), consumed={first.keys[0]})
+    assert c2.collect(0, need=1, timeout=0.3).groups == []
+    assert c2.counts["rejected_replay"] == 1
+
+
+def test_two_signed_workers_sending_the_same_episodes_the_first_wins(tmp_path):
+    keydir = tmp_path / "keys"
+    for w in ("w1", "w2"):
+        new_keypair(w, keydir)
+    store = LocalStore(tmp_path / "store")
+    for w in ("w1", "w2"):
+        _, private = load_private(keydir / f"{w}.key")
+        key = keys.rollout_key(0, w, 0)
+        store.put(key, sign(private, key, encode_batch(_batch(w))))
+    c = _collector(store, keyring=load_keyring(keydir))
+    got = c.collect(0, need=2, timeout=0.5)
+    assert got.keys == [keys.rollout_key(0, "w1", 0)] and len(got.groups) == 1
+    assert c.per_worker["w2"]["rejected_replay"] == 1
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rollouts/00000000/w1/000000.json.zst\n",
+        "rollouts/٠٠٠٠٠٠٠٠/w1/000000.json.zst",
+        "rollouts/00000000/w1/٠٠٠٠٠٠.json.zst",
+        "rollouts/00000000/w1\n/000000.json.zst",
+        "rollouts/00000000/" + "w" * 65 + "/000000.json.zst",
+    ],
+)
+def test_key_patterns_are_strict(key):
+    assert keys.parse_rollout_key(key) is None
+
+
+def test_worker_ids_are_strict():
+    for bad in ("w1\n", "w١", "", "-w", "w" * 65):
+        with pytest.raises(ValueError):
+            keys.check_worker_id(bad)
+    assert keys.check_worker_id("w-1.a_b") == "w-1.a_b"
+
+
+# -- against a real trainer ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from colonnade.protocol import latest_version
+    from colonnade.report import build_report
+
+    root = tmp_path / "run"
+    env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "colonnade"]
+    args = ["trainer", "--store", str(root), "--preset", "smoke", "--checkpoint-every", "1"]
+
+    def trainer(versions, log):
+        out = (tmp_path / log).open("w")
+        return subprocess.Popen([*cli, *args, "--max-versions", str(versions), "--takeover"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def wait(cond, what, procs=()):
+        t0 = time.monotonic()
+        while not cond():
+            assert all(p.poll() in (None, 0) for p in procs), f"a process died before {what}"
+            assert time.monotonic() - t0 < 200, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    store = LocalStore(root)
+    first = trainer(20, "trainer1.log")
+    wait(lambda: store.exists(keys.RUN), "run.json", [first])
+    store.put(keys.rollout_key(0, "attacker", 0), zstandard.ZstdCompressor().compress(DEEP))
+    _plant(store, tmp_path, "fifo", keys.rollout_key(0, "attacker", 1))
+    _plant(store, tmp_path, "dev-zero", keys.rollout_key(0, "attacker", 2))
+    store.put(keys.worker_key("attacker"), DEEP)
+    worker_log = (tmp_path / "w.log").open("w")
+    worker = subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest"], env=env,
+                              stdout=worker_log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait(lambda: (latest_version(store) or 0) >= 2, "v2", [first, worker])
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = trainer(4, "trainer2.log")
+        assert second.wait(timeout=200) == 0, (tmp_path / "trainer2.log").read_text()[-3000:]
+        assert worker.wait(timeout=60) == 0
+    finally:
+        for p in (first, worker):
+            if p.poll() is None:
+                p.kill()
+    report = build_report(store)
+    assert report["versions_published"] == 4
+    assert report["rejected_by_reason"] == {"schema": 1, "object": 2}  # counted once, kept
+    assert report["rollouts_rejected"] == 3
+    consumed = sum(len(json.loads(store.get(k))["keys"]) for k in store.list("trainer/consumed/"))
+    assert report["rollouts_consumed"] == consumed > 0  # trained batches only
+    ledgers = [json.loads(store.get(k)) for k in store.list("trainer/consumed/")]
+    assert sorted(k for d in ledgers for k in d.get("rejected", [])) == [
+        keys.rollout_key(0, "attacker", i) for i in range(3)
+    ]
