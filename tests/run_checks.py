@@ -16,7 +16,7 @@ def check_versions(store, last: int, anchor_every: int) -> list:
     for v in range(last + 1):
         f = Follower(store, anchor_every=anchor_every)
         f.sync(v)
-        assert pulse.state_sha256(f.state) == metas[v].state_sha256
+        assert pulse.state_hash(f.state) == metas[v].state_hash
     return metas
 
 

@@ -45,7 +45,7 @@ def test_run_over_s3(tmp_path, seaweed, monkeypatch):
     f = Follower(store, anchor_every=10)
     for v in range(5):
         f.sync(v)
-        assert f.sha == read_meta(store, v).state_sha256
+        assert f.state_hash == read_meta(store, v).state_hash
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "finished" and set(report["workers"]) == {"w1", "w2"}
     assert report["rollouts_consumed"] >= 8 and report["eval"]["after"]["version"] == 4

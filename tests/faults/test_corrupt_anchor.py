@@ -63,8 +63,8 @@ def held_ok(f: Follower, metas) -> bool:
     """The follower holds nothing, or a state hashing to its version's meta."""
     if f.state is None:
         return f.version is None
-    sha = pulse.state_sha256(f.state)
-    return sha == f.sha == metas[f.version].state_sha256
+    sha = pulse.state_hash(f.state)
+    return sha == f.state_hash == metas[f.version].state_hash
 
 
 def synced(store, v: int) -> Follower:

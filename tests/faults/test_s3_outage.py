@@ -68,4 +68,4 @@ def test_run_survives_an_s3_outage(tmp_path, monkeypatch):
         f = Follower(store, anchor_every=10)
         for v in range(7):
             f.sync(v)
-            assert f.sha == read_meta(store, v).state_sha256
+            assert f.state_hash == read_meta(store, v).state_hash

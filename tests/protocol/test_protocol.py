@@ -96,8 +96,9 @@ def test_run_spec_round_trip_and_validation():
     assert RunSpec.from_json(spec.to_json()) == spec
     with pytest.raises(SchemaError, match="precision"):
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
-    with pytest.raises(SchemaError, match="protocol"):
-        RunSpec.from_json(spec.to_json().replace(b'"protocol":1', b'"protocol":9'))
+    for old in (b'"protocol":1', b'"protocol":9'):  # 1: the SHA-256 protocol of earlier releases
+        with pytest.raises(SchemaError, match=r"protocol \d; this colonnade speaks 2"):
+            RunSpec.from_json(spec.to_json().replace(b'"protocol":2', old))
 
 
 def test_run_spec_without_groups_per_step_is_read_as_unpaced():
@@ -143,8 +144,8 @@ def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
         f = Follower(store, anchor_every=3)
         assert f.sync(v)
         assert f.version == v
-        assert pulse.state_sha256(f.state) == metas[v].state_sha256
-        assert pulse.state_sha256(pulse.prepare(s, precision)) == metas[v].state_sha256
+        assert pulse.state_hash(f.state) == metas[v].state_hash
+        assert pulse.state_hash(pulse.prepare(s, precision)) == metas[v].state_hash
     # One follower walking forward step by step reads patches, not anchors.
     f = Follower(store, anchor_every=3)
     f.sync(0)
@@ -165,7 +166,7 @@ def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
     store.put(keys.patch_key(3), b"x" * metas[3].payload_bytes)
     with pytest.raises(VersionError):
         f.sync(3)
-    assert f.version == 2 and f.sha == metas[2].state_sha256
+    assert f.version == 2 and f.state_hash == metas[2].state_hash
 
 
 def test_a_second_publisher_cannot_overwrite_a_version(tmp_path):
@@ -175,3 +176,25 @@ def test_a_second_publisher_cannot_overwrite_a_version(tmp_path):
         Publisher(store, "bf16", 10).publish(_states(1, seed=1)[0])
     assert read_meta(store, 0).kind == "full"
     assert read_meta(store, 1) is None
+
+
+def test_sha256_on_request_and_a_change_of_hash_mid_run(tmp_path):
+    store = LocalStore(tmp_path)
+    states = _states(5)
+    pub = Publisher(store, "bf16", anchor_every=10, hash_algo="sha256")
+    metas = [pub.publish(s).meta for s in states[:3]]
+    assert all(m.state_hash.startswith("sha256:") for m in metas)
+    assert all(m.payload_hash.startswith("sha256:") for m in metas)
+    # A resumed trainer set to BLAKE3 goes on from a SHA-256 version.
+    f = Follower(store, anchor_every=10)
+    f.sync(2)
+    again = Publisher(store, "bf16", anchor_every=10)
+    again.adopt(2, f.state, f.state_hash)
+    metas += [again.publish(s).meta for s in states[3:]]
+    assert metas[4].state_hash.startswith("blake3:")
+    for v in range(5):
+        g = Follower(store, anchor_every=10)
+        g.sync(v)
+        assert pulse.state_hash(g.state, metas[v].state_hash.split(":")[0]) == metas[v].state_hash
+    f.sync(4)  # a follower holding a SHA-256 hash applies a BLAKE3 patch
+    assert f.version == 4 and f.state_hash == metas[4].state_hash

@@ -13,7 +13,7 @@ from colonnade.pulse import (
     prepare,
     quantize_rows,
     read_header,
-    state_sha256,
+    state_hash,
 )
 from colonnade.pulse import codec as codec_mod
 from pulse_helpers import bits_equal, perturb, random_tensor
@@ -135,15 +135,15 @@ def test_positions_beyond_32_bits_fit_in_the_format():
 
 def test_hash_depends_on_names_dtypes_shapes_and_bits():
     t = torch.arange(6, dtype=torch.float32)
-    base = state_sha256({"a": t})
-    assert base == state_sha256({"a": t.clone()})
-    assert base != state_sha256({"b": t})
-    assert base != state_sha256({"a": t.reshape(2, 3)})
-    assert base != state_sha256({"a": t.view(torch.int32)})
+    base = state_hash({"a": t})
+    assert base == state_hash({"a": t.clone()})
+    assert base != state_hash({"b": t})
+    assert base != state_hash({"a": t.reshape(2, 3)})
+    assert base != state_hash({"a": t.view(torch.int32)})
     t2 = t.clone()
     t2[3] = np.nextafter(np.float32(3), np.float32(4)).item()
-    assert base != state_sha256({"a": t2})
-    assert state_sha256({"a": t, "b": t}) == state_sha256({"b": t, "a": t})
+    assert base != state_hash({"a": t2})
+    assert state_hash({"a": t, "b": t}) == state_hash({"b": t, "a": t})
 
 
 def test_quantizer_is_deterministic_and_symmetric():
@@ -203,3 +203,24 @@ def test_bitmask_read_and_written_in_slices(monkeypatch):
     patch, stats = round_trip({"w": w}, {"w": new})
     assert read_header(patch)["tensors"][0]["pos"] == "mask"
     assert stats.changed == 7777 - 1234
+
+
+def test_hashes_name_their_algorithm_and_both_round_trip():
+    from colonnade.pulse.hashing import algo_of, is_hash, matches, tensor_table
+
+    gen = torch.Generator().manual_seed(3)
+    old = {f"t{i}": torch.randn(64, 32, generator=gen).to(torch.bfloat16) for i in range(4)}
+    new = {k: perturb(v, 0.05, gen) for k, v in old.items()}
+    for algo in ("blake3", "sha256"):
+        patch, stats = encode(old, new, precision="bf16", hash_algo=algo)
+        assert algo_of(stats.result_hash) == algo and is_hash(stats.base_hash)
+        assert read_header(patch)["result_hash"] == stats.result_hash
+        out = apply(prepare(old, "bf16"), patch)
+        assert matches(out, stats.result_hash) and state_hash(out, algo) == stats.result_hash
+    assert state_hash(old) != state_hash(old, "sha256")
+    assert state_hash(old).startswith("blake3:")
+    # The table checks tensors one by one: one changed tensor, one changed leaf.
+    a, b = tensor_table(old), tensor_table({**old, "t2": new["t2"]})
+    assert [k for k in a if a[k] != b[k]] == ["t2"]
+    for bad in ("", "blake3:xyz", "md5:" + "0" * 64, "blake3:" + "A" * 64, None):
+        assert not is_hash(bad)

@@ -62,10 +62,12 @@ def test_truncation_is_reported_as_such(cut):
         apply(BASE, PATCH[:cut])
 
 
-def test_unknown_version_says_so():
+@pytest.mark.parametrize("version", [1, 99])
+def test_other_versions_are_refused_naming_both(version):
+    # Version 1 (SHA-256 state hashes) is what earlier releases wrote.
     bad = bytearray(PATCH)
-    struct.pack_into("<H", bad, 8, 99)
-    with pytest.raises(PatchError, match="unknown PULSE format version 99"):
+    struct.pack_into("<H", bad, 8, version)
+    with pytest.raises(PatchError, match=rf"format version {version} .* reads version 2"):
         apply(BASE, bytes(bad))
 
 

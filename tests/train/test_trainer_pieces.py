@@ -156,8 +156,8 @@ def test_resume_publishes_a_checkpoint_whose_version_was_cut_short(tiny_dir, tmp
     assert again.version == 1 == latest_version(again.store)
     f = Follower(again.store, cfg.anchor_every)
     f.sync(1)
-    assert pulse.state_sha256(f.state) == read_meta(again.store, 1).state_sha256
-    assert read_meta(again.store, 1).state_sha256 == read_meta(again.store, 0).state_sha256
+    assert pulse.state_hash(f.state) == read_meta(again.store, 1).state_hash
+    assert read_meta(again.store, 1).state_hash == read_meta(again.store, 0).state_hash
 
 
 @pytest.mark.s3

@@ -288,7 +288,7 @@ def time_full(new: State, tmpdir: str) -> dict[str, float]:
     """Seconds to write and read the full checkpoint, and to hash the state."""
     from safetensors.torch import load_file, save_file
 
-    from colonnade.pulse import state_sha256
+    from colonnade.pulse import state_hash
 
     path = os.path.join(tmpdir, "full.safetensors")
     t0 = time.perf_counter()
@@ -297,7 +297,7 @@ def time_full(new: State, tmpdir: str) -> dict[str, float]:
     loaded = load_file(path)
     touched = sum(float(v.float().sum()) for v in loaded.values())  # really read it
     t2 = time.perf_counter()
-    state_sha256(new)
+    state_hash(new)
     t3 = time.perf_counter()
     del loaded, touched
     return {
@@ -321,9 +321,9 @@ def measure_ours(old: State, new: State, base_sha: str) -> dict[str, float]:
     from colonnade.pulse import apply, encode, prepare
 
     t0 = time.perf_counter()
-    patch, stats = encode(old, new, precision="bf16", base_sha256=base_sha)
+    patch, stats = encode(old, new, precision="bf16", base_hash=base_sha)
     t1 = time.perf_counter()
-    rebuilt = apply(old, patch, base_sha256=base_sha)
+    rebuilt = apply(old, patch, base_hash=base_sha)
     t2 = time.perf_counter()
     if not _bits_equal(rebuilt, new):
         raise SystemExit("PULSE round trip is not bit-exact: aborting the benchmark")
@@ -338,7 +338,7 @@ def measure_ours(old: State, new: State, base_sha: str) -> dict[str, float]:
         "apply_s": t2 - t1,
         "position_bytes": stats.position_bytes,
         "residual_bytes": stats.residual_bytes,
-        "result_sha256": stats.result_sha256,
+        "result_hash": stats.result_hash,
         "int8_ours": len(q_patch),
         "int8_full_bytes": q_stats.full_bytes,
         "int8_density": q_stats.density,
@@ -364,7 +364,7 @@ def measure_pair(old: State, new: State, base_sha: str, tmpdir: str) -> dict[str
 
 def summarize(rows: list[dict], bf16_bytes: int) -> dict[str, float]:
     """Medians over the measured pairs, and the ratios the targets speak of."""
-    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k != "result_sha256"}
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k != "result_hash"}
     full_rw = med["full_write_s"] + med["full_read_s"]
     ours_t = med["encode_s"] + med["apply_s"]
     med.update(
@@ -472,18 +472,18 @@ def available_models(args: argparse.Namespace) -> list[str]:
 
 def measure_model(args, kind: str, lrs: list[float], tmp: str, info: dict) -> list[dict]:
     """One row per lr: medians over that lr's consecutive version pairs."""
-    from colonnade.pulse import state_sha256
+    from colonnade.pulse import state_hash
 
     results = []
     for lr in lrs:
         versions, n_params, desc = train_versions(args, kind, lr)
         bf16 = sum(t.numel() * t.element_size() for t in versions[0].values())
         info[kind] = {"model": desc, "params": n_params, "bf16_bytes": bf16, "steps": args.steps}
-        rows, base_sha = [], state_sha256(versions[0])
+        rows, base_sha = [], state_hash(versions[0])
         for i in range(1, len(versions)):
             log(f"{kind} lr {lr:g}: encoding version {i}/{len(versions) - 1}")
             rows.append(measure_pair(versions[i - 1], versions[i], base_sha, tmp))
-            base_sha = rows[-1]["result_sha256"]
+            base_sha = rows[-1]["result_hash"]
         results.append({"model": kind, "lr": lr, **summarize(rows, bf16)})
     return results
 

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pulse",
         help="make and apply PULSE weight patches",
         description="Make and apply PULSE weight patches between "
-        ".safetensors checkpoints. Lossless, checked by SHA-256.",
+        ".safetensors checkpoints. Lossless, checked by a state hash (BLAKE3 by default).",
     )
     psub = p.add_subparsers(dest="pulse", metavar="ACTION", required=True)
     d = psub.add_parser(
@@ -33,13 +33,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="bf16: float tensors rounded to bf16 (default); int8: 2-D weights as "
         "per-row int8 codes + scales (what workers run); exact: dtypes as stored",
     )
+    d.add_argument(
+        "--hash",
+        choices=["blake3", "sha256"],
+        default="blake3",
+        help="state hash algorithm (default blake3; sha256 where it is required)",
+    )
     d.add_argument("--json", action="store_true", help="print statistics as JSON")
     d.set_defaults(handler=_diff)
     a = psub.add_parser(
         "apply",
         help="rebuild the new checkpoint from BASE and PATCH",
         description="Rebuild the new checkpoint from BASE and PATCH; the "
-        "result is verified against the SHA-256 in the patch before "
+        "result is verified against the state hash in the patch before "
         "anything is written.",
     )
     a.add_argument("base", type=Path, help="base checkpoint (.safetensors)")
@@ -84,7 +90,7 @@ def _diff(args: argparse.Namespace) -> int:
 
     old, new = _load(args.old), _load(args.new)
     try:
-        patch, stats = encode(old, new, precision=args.precision)
+        patch, stats = encode(old, new, precision=args.precision, hash_algo=args.hash)
     except (TypeError, ValueError) as e:
         raise CliError(str(e)) from None
     write_atomic(args.output, patch)
@@ -97,7 +103,7 @@ def _diff(args: argparse.Namespace) -> int:
         "ratio": stats.ratio,
         "bits_per_changed": stats.bits_per_changed,
         "precision": stats.precision,
-        "result_sha256": stats.result_sha256,
+        "result_hash": stats.result_hash,
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import re
 
-PROTOCOL_VERSION = 1
+# 2: hashes name their algorithm (BLAKE3 tree hashes by default), PULSE format 2.
+PROTOCOL_VERSION = 2
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"

@@ -17,6 +17,7 @@ import numpy as np
 import zstandard
 
 from colonnade import untrusted
+from colonnade.pulse.hashing import is_hash
 
 from .keys import PROTOCOL_VERSION, check_worker_id
 
@@ -94,7 +95,11 @@ class RunSpec:
     @classmethod
     def from_json(cls, data: bytes) -> RunSpec:
         d = loads(data)
-        _need(d.get("protocol") == PROTOCOL_VERSION, f"unsupported protocol {d.get('protocol')!r}")
+        _need(
+            d.get("protocol") == PROTOCOL_VERSION,
+            f"run.json speaks protocol {d.get('protocol')!r}; this colonnade speaks "
+            f"{PROTOCOL_VERSION} (run it with the release that started the run)",
+        )
         d = {"groups_per_step": 0, **d}  # absent from run.json files of earlier releases
         _same_fields(cls, d, "run.json")
         _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
@@ -126,8 +131,8 @@ class VersionMeta:
     kind: str  # full | patch
     anchor: int  # newest anchor at or below this version
     payload_bytes: int
-    payload_sha256: str
-    state_sha256: str  # of the state a worker rebuilds (at the run's precision)
+    payload_hash: str  # of the payload's bytes, e.g. "blake3:<hex>"
+    state_hash: str  # tree hash of the state a worker rebuilds (at the run's precision)
     full_bytes: int  # what a full checkpoint at this precision would weigh
     created: float
 
@@ -142,8 +147,8 @@ class VersionMeta:
         _need(d["kind"] in ("full", "patch"), "kind: full or patch")
         _need(d["kind"] == "patch" or d["anchor"] == d["version"], "a full version is its anchor")
         _need(d["kind"] == "full" or d["version"] > 0, "v0 must be full")
-        for k in ("payload_sha256", "state_sha256"):
-            _need(isinstance(d[k], str) and len(d[k]) == 64, f"{k}: hex SHA-256")
+        for k in ("payload_hash", "state_hash"):
+            _need(is_hash(d[k]), f"{k}: blake3:<hex> or sha256:<hex>")
         _need(_int(d["payload_bytes"]) and _int(d["full_bytes"]), "sizes: integers")
         _need(_num(d["created"]), "created: number")
         return cls(**d)

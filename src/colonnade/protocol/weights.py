@@ -11,7 +11,6 @@ it never holds a state whose hash differs from the meta.
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import time
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
 from colonnade import pulse
+from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
@@ -35,18 +35,6 @@ class VersionError(RuntimeError):
     """A published version that cannot be rebuilt as its meta promises."""
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @dataclass
 class Published:
     meta: VersionMeta
@@ -56,21 +44,30 @@ class Published:
 class Publisher:
     """Trainer side: turns successive float states into published versions."""
 
-    def __init__(self, store: ObjectStore, precision: str, anchor_every: int):
+    def __init__(
+        self, store: ObjectStore, precision: str, anchor_every: int, hash_algo: str = "blake3"
+    ):
         self.store, self.precision, self.anchor_every = store, precision, anchor_every
+        self.hash_algo = hash_algo  # of new versions' state and payload hashes
         self.last: dict[str, torch.Tensor] | None = None  # prepared state of `version`
-        self.last_sha: str | None = None
+        self.last_hash: str | None = None
         self.version: int | None = None
 
-    def adopt(self, version: int, prepared: dict[str, torch.Tensor], sha: str) -> None:
+    def adopt(self, version: int, prepared: dict[str, torch.Tensor], state_hash: str) -> None:
         """Continue after `version`, whose prepared state is already published."""
-        self.version, self.last, self.last_sha = version, prepared, sha
+        self.version, self.last, self.last_hash = version, prepared, state_hash
 
     def publish(self, state: State) -> Published:
         t0 = time.perf_counter()
         v = 0 if self.version is None else self.version + 1
         new = pulse.prepare(state, self.precision)
-        sha = pulse.state_sha256(new)
+        algo = self.hash_algo
+        sha = pulse.state_hash(new, algo)
+        # A patch names its base by the base's own hash: after a resume that
+        # adopted a version hashed otherwise, hash the base again.
+        base_hash = self.last_hash
+        if base_hash is not None and not base_hash.startswith(algo + ":"):
+            base_hash = pulse.state_hash(self.last, algo)
         full = v == 0 or v % self.anchor_every == 0 or self.last is None
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
         if full:
@@ -80,29 +77,29 @@ class Publisher:
             with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
                 path = Path(tmp) / "full.safetensors"
                 st_save_file(new, path)
-                size, digest = path.stat().st_size, _file_sha(path)
+                size, digest = path.stat().st_size, pulse.digest_file(path, algo)
                 self.store.put_file(key, path)
         else:
             payload = pulse.diff(
-                self.last, new, precision="exact", base_sha256=self.last_sha, result_sha256=sha
+                self.last, new, precision="exact", base_hash=base_hash, result_hash=sha
             )
             key, anchor = keys.patch_key(v), v - (v % self.anchor_every)
-            size, digest = len(payload), _sha(payload)
+            size, digest = len(payload), pulse.digest_bytes(payload, algo)
             self.store.put(key, payload)
         meta = VersionMeta(
             version=v,
             kind="full" if full else "patch",
             anchor=anchor,
             payload_bytes=size,
-            payload_sha256=digest,
-            state_sha256=sha,
+            payload_hash=digest,
+            state_hash=sha,
             full_bytes=full_bytes,
             created=time.time(),
         )
         if not self.store.put_if_absent(keys.meta_key(v), meta.to_json()):
             # A retry after an outage may find its own earlier write: same state, fine.
             existing = read_meta(self.store, v)
-            if existing is None or existing.state_sha256 != sha:
+            if existing is None or existing.state_hash != sha:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         self.store.put(keys.LATEST, dumps({"version": v}))
         self.adopt(v, new, sha)
@@ -143,9 +140,14 @@ def _payload(store: ObjectStore, key: str, meta: VersionMeta) -> bytes:
         # StoreError it skipped the anchor fallback, and the worker retried it
         # as an outage without end.
         raise VersionError(f"{key}: payload is larger than meta.json says") from None
-    if _sha(data) != meta.payload_sha256:
+    if not _same(pulse.digest_bytes, data, meta.payload_hash):
         raise VersionError(f"{key}: payload hash differs from meta.json")
     return data
+
+
+def _same(digest, data, expected: str) -> bool:
+    """Whether `data` digests to `expected`, with the algorithm it names."""
+    return digest(data, algo_of(expected)) == expected
 
 
 def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
@@ -158,7 +160,7 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
             store.get_file(key, path, max_bytes=meta.payload_bytes)
         except ObjectTooLarge:
             raise VersionError(f"{key}: payload is larger than meta.json says") from None
-        if _file_sha(path) != meta.payload_sha256:
+        if not _same(pulse.digest_file, path, meta.payload_hash):
             raise VersionError(f"{key}: payload hash differs from meta.json")
         try:
             # Each tensor copied out of the file's mapping, which closes with
@@ -167,8 +169,8 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
                 state = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
         except (SafetensorError, ValueError, OSError) as e:
             raise VersionError(f"{key}: not a readable safetensors file ({e})") from None
-    if pulse.state_sha256(state) != meta.state_sha256:
-        raise VersionError(f"v{meta.version}: anchor does not hash to meta.json's state_sha256")
+    if not _same(pulse.state_hash, state, meta.state_hash):
+        raise VersionError(f"v{meta.version}: anchor does not hash to meta.json's state_hash")
     return state
 
 
@@ -179,7 +181,7 @@ class Follower:
         self.store, self.anchor_every = store, anchor_every
         self.state: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
-        self.sha: str | None = None
+        self.state_hash: str | None = None
         self.bytes_read = 0
 
     def _meta(self, v: int) -> VersionMeta:
@@ -196,7 +198,7 @@ class Follower:
     def _from_anchor(self, target: VersionMeta) -> None:
         anchor = self._meta(target.anchor)
         self.state = load_full(self.store, anchor)
-        self.version, self.sha = anchor.version, anchor.state_sha256
+        self.version, self.state_hash = anchor.version, anchor.state_hash
         self.bytes_read += anchor.payload_bytes
         self._patch_to(target.version)
 
@@ -209,11 +211,17 @@ class Follower:
                 patch = _payload(self.store, keys.patch_key(meta.version), meta)
                 # apply() verifies the rebuilt state against the patch's own
                 # hash; that hash must be the one meta.json promises.
-                if pulse.read_header(patch)["result_sha256"] != meta.state_sha256:
+                header = pulse.read_header(patch)
+                if header["result_hash"] != meta.state_hash:
                     raise VersionError(f"v{meta.version}: patch and meta.json disagree")
-                self.state = pulse.apply(self.state, patch, base_sha256=self.sha)
+                # The hash we hold spares hashing the base again, if the patch
+                # names its base with the same algorithm.
+                known = self.state_hash
+                if algo_of(known) != algo_of(header["base_hash"]):
+                    known = None
+                self.state = pulse.apply(self.state, patch, base_hash=known)
             self.bytes_read += meta.payload_bytes
-            self.version, self.sha = meta.version, meta.state_sha256
+            self.version, self.state_hash = meta.version, meta.state_hash
 
     def sync(self, target: int | None = None) -> bool:
         """Move to `target` (default: the newest version); True if the state changed."""

@@ -3,20 +3,22 @@
 Public API:
     encode(old, new, precision=...) -> (patch bytes, PatchStats)
     diff(old, new, precision=...)   -> patch bytes
-    apply(base, patch)              -> new state (checked by SHA-256)
+    apply(base, patch)              -> new state (checked by its state hash)
     prepare(state, precision)       -> the state a receiver holds at a precision
     quantize_state / dequantize_state / quantize_rows: the int8 quantizer
-    state_sha256(state)             -> hex digest of a state
+    state_hash(state, algo)         -> "blake3:<hex>" (or "sha256:…"): a per-tensor tree hash
     PatchError                      -> every way a patch can be bad
 """
 
 from .codec import PatchStats, diff, encode, prepare
 from .decode import apply, read_header
 from .errors import PatchError
+from .hashing import ALGOS as HASHES
+from .hashing import digest_bytes, digest_file, state_hash
 from .quant import SCALE_SUFFIX, dequantize_rows, dequantize_state, quantize_rows, quantize_state
-from .tensors import state_sha256
 
 __all__ = [
+    "HASHES",
     "SCALE_SUFFIX",
     "PatchError",
     "PatchStats",
@@ -24,10 +26,12 @@ __all__ = [
     "dequantize_rows",
     "dequantize_state",
     "diff",
+    "digest_bytes",
+    "digest_file",
     "encode",
     "prepare",
     "quantize_rows",
     "quantize_state",
     "read_header",
-    "state_sha256",
+    "state_hash",
 ]

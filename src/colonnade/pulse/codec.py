@@ -5,15 +5,15 @@ lists, per tensor that changed, the positions of the changed elements and a
 residual that rebuilds their new bits exactly (an XOR with the old bits, or
 the difference of order-preserving integer keys: both exact, never a float
 difference). New tensors, and tensors whose dtype or shape changed, travel
-whole; dropped tensors are listed. The header carries the SHA-256 of the base
-and of the result, and `apply` checks both, so a wrong state is never
-returned. See docs/pulse-format.md for the byte layout.
+whole; dropped tensors are listed. The header carries the state hashes of
+the base and of the result (`hashing`: BLAKE3 tree hashes by default), and
+`apply` checks both, so a wrong state is never returned. See
+docs/pulse-format.md for the byte layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,10 +23,11 @@ import zstandard
 from . import parallel, positions, residuals
 from .context import choose_context, class_map
 from .format import POSITION_BLOCKS, pack
+from .hashing import DEFAULT as DEFAULT_HASH
+from .hashing import state_hash
 from .quant import quantize_state
 from .tensors import (
     dtype_name,
-    state_sha256,
     to_bits,
 )
 
@@ -47,8 +48,8 @@ class PatchStats:
     full_bytes: int = 0
     position_bytes: int = 0
     residual_bytes: int = 0
-    base_sha256: str = ""
-    result_sha256: str = ""
+    base_hash: str = ""
+    result_hash: str = ""
     codes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -185,39 +186,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _hash_thread() -> ThreadPoolExecutor:
-    """One thread for state hashes, beside the per-tensor work (hashlib frees the GIL)."""
-    return ThreadPoolExecutor(max_workers=1)
-
-
 def encode(
     old: State,
     new: State,
     *,
     precision: str = "bf16",
-    base_sha256: str | None = None,
-    result_sha256: str | None = None,
+    base_hash: str | None = None,
+    result_hash: str | None = None,
+    hash_algo: str = DEFAULT_HASH,
 ) -> tuple[bytes, PatchStats]:
     """A patch that turns prepare(old) into prepare(new), and its statistics.
 
-    base_sha256 / result_sha256: hashes the caller already holds (a trainer
-    knows the hash of the version it published last), to skip re-hashing.
+    base_hash / result_hash: hashes the caller already holds (a trainer
+    knows the hash of the version it published last), to skip re-hashing;
+    otherwise they are computed with `hash_algo`.
     """
     old_p, new_p = prepare(old, precision), prepare(new, precision)
     names = sorted(new_p)
     sizes = [_nbytes(new_p[n]) for n in names]
-    with _hash_thread() as pool:
-        base_f = pool.submit(state_sha256, old_p) if base_sha256 is None else None
-        res_f = pool.submit(state_sha256, new_p) if result_sha256 is None else None
-        results = parallel.budgeted_map(
-            lambda n: _encode_tensor(n, old_p, new_p[n]),
-            names,
-            sizes,
-            parallel.tensor_budget(sizes),
-        )
-        base_sha256 = base_sha256 or base_f.result()  # type: ignore[union-attr]
-        result_sha256 = result_sha256 or res_f.result()  # type: ignore[union-attr]
-    stats = PatchStats(precision, base_sha256=base_sha256, result_sha256=result_sha256)
+    base_hash = base_hash or state_hash(old_p, hash_algo)
+    result_hash = result_hash or state_hash(new_p, hash_algo)
+    results = parallel.budgeted_map(
+        lambda n: _encode_tensor(n, old_p, new_p[n]), names, sizes, parallel.tensor_budget(sizes)
+    )
+    stats = PatchStats(precision, base_hash=base_hash, result_hash=result_hash)
     entries, blocks = [], []
     for name, r in zip(names, results, strict=True):
         t = new_p[name]
@@ -233,8 +225,8 @@ def encode(
         entries.append({"name": name, "op": "drop", "blocks": []})
     header = {
         "precision": precision,
-        "base_sha256": base_sha256,
-        "result_sha256": result_sha256,
+        "base_hash": base_hash,
+        "result_hash": result_hash,
         "chunk_elems": CHUNK_ELEMS,
         "tensors": entries,
         "payload_bytes": sum(len(b) for b in blocks),

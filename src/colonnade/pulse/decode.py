@@ -1,8 +1,9 @@
 """Applying a PULSE patch: rebuild the new state and prove it is the right one.
 
 Every check that can fail does so before a result exists: the base must hash
-to the patch's base_sha256, every block must decode to exactly its declared
-size, and the rebuilt state must hash to result_sha256. Unchanged tensors are
+to the patch's base_hash, every block must decode to exactly its declared
+size, and the rebuilt state must hash to result_hash (each with the
+algorithm the hash names). Unchanged tensors are
 shared with the base (never written), changed ones are fresh copies, so a
 failed apply leaves the caller's base untouched.
 """
@@ -19,13 +20,8 @@ from .codec import State, _nbytes
 from .context import class_map
 from .errors import PatchError
 from .format import POSITION_BLOCKS, unpack
-from .tensors import (
-    dtype_name,
-    from_bits,
-    itemsize,
-    state_sha256,
-    to_bits,
-)
+from .hashing import algo_of, state_hash
+from .tensors import dtype_name, from_bits, itemsize, to_bits
 
 
 def _split(payload: memoryview, entries: list[dict]) -> list[list[memoryview]]:
@@ -115,20 +111,20 @@ def _decode_entry(entry, blocks, base, chunk):
 
 
 def apply(
-    base: State, patch: bytes | memoryview, *, base_sha256: str | None = None
+    base: State, patch: bytes | memoryview, *, base_hash: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """The state the patch describes, checked against its SHA-256.
+    """The state the patch describes, checked against its hash.
 
-    base_sha256: the hash of `base` if the caller already verified it (a
+    base_hash: the hash of `base` if the caller already verified it (a
     worker knows the hash of the state it is running); otherwise it is
     computed. Raises PatchError for any patch that does not fit this base.
     """
     c = unpack(patch)
     h = c.header
-    have = base_sha256 if base_sha256 is not None else state_sha256(base)
-    if have != h["base_sha256"]:
+    have = base_hash if base_hash is not None else state_hash(base, algo_of(h["base_hash"]))
+    if have != h["base_hash"]:
         raise PatchError(
-            f"wrong base: patch is for base {h['base_sha256'][:12]}…, this state is {have[:12]}…"
+            f"wrong base: patch is for base {h['base_hash'][:19]}…, this state is {have[:19]}…"
         )
     entries = [e for e in h["tensors"] if e["op"] != "drop"]
     dropped = {e["name"] for e in h["tensors"] if e["op"] == "drop"}
@@ -145,11 +141,11 @@ def apply(
     )
     result = {k: v for k, v in base.items() if k not in dropped}
     result.update({e["name"]: t for e, t in zip(entries, decoded, strict=True)})
-    got = state_sha256(result)
-    if got != h["result_sha256"]:
+    got = state_hash(result, algo_of(h["result_hash"]))
+    if got != h["result_hash"]:
         raise PatchError(
-            f"corrupt patch: rebuilt state hashes to {got[:12]}…, "
-            f"patch promises {h['result_sha256'][:12]}…"
+            f"corrupt patch: rebuilt state hashes to {got[:19]}…, "
+            f"patch promises {h['result_hash'][:19]}…"
         )
     return result
 

@@ -9,7 +9,7 @@ Layout (all integers little-endian; see docs/pulse-format.md):
     header       zstd-compressed JSON (utf-8), header_len bytes
     header_crc   u32       CRC-32 of the header bytes
     payload      the tensors' blocks, back to back, in header order
-    digest       32 bytes  SHA-256 of everything before it
+    digest       32 bytes  BLAKE3 of everything before it
 
 Reading checks, in order: magic, version, length, header CRC, digest, schema.
 Each failure raises PatchError naming the region, so a truncated download is
@@ -18,22 +18,24 @@ told apart from a bit flip or a patch for another base.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import zstandard
 
 from colonnade import untrusted
 
 from .errors import PatchError
+from .hashing import is_hash
 from .tensors import DTYPES
 
 MAGIC = b"\x89PULSE\r\n"
-FORMAT_VERSION = 1
+# 2: BLAKE3 container digest; base and result named by algorithm-tagged tree hashes.
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sHHI")
 _CRC = struct.Struct("<I")
 DIGEST_BYTES = 32
@@ -64,14 +66,14 @@ def pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
 
 
 def seal(head: bytes, payload: bytes) -> bytes:
-    """The framing around a compressed header and a payload: prefix, CRC, SHA-256.
+    """The framing around a compressed header and a payload: prefix, CRC, BLAKE3.
 
     Public for the corruption tests and fuzzers, which reseal damaged
     contents to get past the checksums as a lying sender would.
     """
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head))
     body = b"".join([prefix, head, _CRC.pack(zlib.crc32(head)), payload])
-    return body + hashlib.sha256(body).digest()
+    return body + blake3.blake3(body).digest()
 
 
 def unpack(data: bytes | memoryview) -> Container:
@@ -84,7 +86,8 @@ def unpack(data: bytes | memoryview) -> Container:
         raise PatchError("not a PULSE patch (bad magic)")
     if version != FORMAT_VERSION:
         raise PatchError(
-            f"unknown PULSE format version {version} (this build reads {FORMAT_VERSION})"
+            f"PULSE format version {version} is not read by this build, which reads version "
+            f"{FORMAT_VERSION} (re-encode the patch with the same colonnade as its reader)"
         )
     if head_len > MAX_HEADER_BYTES:
         raise PatchError(f"corrupt patch: header length {head_len} exceeds the limit")
@@ -105,7 +108,7 @@ def unpack(data: bytes | memoryview) -> Container:
     if len(view) > expected:
         raise PatchError(f"corrupt patch: {len(view) - expected} unexpected trailing bytes")
     body_end = expected - DIGEST_BYTES
-    if hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
+    if blake3.blake3(view[:body_end]).digest() != bytes(view[body_end:]):
         raise PatchError("corrupt patch: payload digest mismatch (bit flip or damaged transfer)")
     return Container(header, view[payload_start:body_end])
 
@@ -135,15 +138,11 @@ def _is_int(x: Any, lo: int = 0, hi: int = MAX_ELEMENTS) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
-def _is_sha(x: Any) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
-
-
 def validate_header(h: Any) -> None:
     """Schema of the header; raises ValueError/KeyError/TypeError on any deviation."""
     _check(isinstance(h, dict), "header must be an object")
     _check(h["precision"] in PRECISIONS, f"unknown precision {h['precision']!r}")
-    _check(_is_sha(h["base_sha256"]) and _is_sha(h["result_sha256"]), "bad sha256 fields")
+    _check(is_hash(h["base_hash"]) and is_hash(h["result_hash"]), "bad base_hash/result_hash")
     _check(_is_int(h["chunk_elems"], 1, 1 << 32), "bad chunk_elems")
     _check(isinstance(h["tensors"], list), "tensors must be a list")
     total = 0

@@ -1,4 +1,4 @@
-"""Raw-bit views of tensors, the dtype table of the format, and state hashing.
+"""Raw-bit views of tensors and the dtype table of the format.
 
 The codec works on the bit patterns of tensors, never on their float values,
 so that every round trip is exact. This module owns the mapping between torch
@@ -6,9 +6,6 @@ tensors and flat unsigned numpy views of the same bytes.
 """
 
 from __future__ import annotations
-
-import hashlib
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -81,23 +78,3 @@ def from_bits(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Ten
     size = bits.dtype.itemsize
     arr = np.ascontiguousarray(bits).view(_NP_INT[size])
     return torch.from_numpy(arr).view(DTYPES[dtype]).reshape(shape)
-
-
-def _hash_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
-    dims = ",".join(str(d) for d in shape)
-    return f"{len(name)}:{name}|{dtype}|[{dims}]|{nbytes}\n".encode()
-
-
-def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over sorted names, dtype, shape and raw bytes of every tensor.
-
-    Independent of dict order, memory layout and device, so trainer and worker
-    agree on it whatever machines they run on.
-    """
-    h = hashlib.sha256(b"colonnade-state-v1\n")
-    for name in sorted(state):
-        t = state[name]
-        bits = to_bits(t)
-        h.update(_hash_header(name, dtype_name(t), tuple(t.shape), bits.nbytes))
-        h.update(memoryview(bits).cast("B"))
-    return h.hexdigest()

@@ -42,6 +42,7 @@ from colonnade.protocol.presence import alive, worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES, batch_bytes_bound, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.protocol.weights import VersionError
+from colonnade.pulse import HASHES
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import NotFound, ObjectStore, open_store
@@ -75,6 +76,7 @@ class TrainerConfig:
     env_kwargs: dict = field(default_factory=dict)
     model: str = "tiny"
     precision: str = "int8"  # of published weights: what workers run
+    hash: str = "blake3"  # of published states and payloads: blake3, or sha256 if required
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     dtype: str = "auto"  # compute: bf16 (fp32 masters and Adam) or fp32; auto: bf16 on CUDA
     grad_ckpt: bool | None = None  # activation checkpointing; None: on for CUDA
@@ -126,6 +128,8 @@ class TrainerConfig:
 
     def check(self) -> None:
         """Settings no step can run with: a ValueError naming them."""
+        if self.hash not in HASHES:
+            raise ValueError(f"hash {self.hash!r}: choose one of {', '.join(HASHES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if min(self.micro_tokens, self.logit_chunk_tokens, self.checkpoint_every) < 1:
@@ -241,7 +245,7 @@ class Trainer:
         )  # fmt: skip
 
     def _lead_state(self, cfg: TrainerConfig) -> None:
-        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every)
+        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every, cfg.hash)
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
         self.quarantine = Ledger(
@@ -354,7 +358,7 @@ class Trainer:
         if latest is not None:
             follower = Follower(self.store, self.spec.anchor_every)
             follower.sync(latest)
-            self.publisher.adopt(latest, follower.state, follower.sha)
+            self.publisher.adopt(latest, follower.state, follower.state_hash)
         if latest is None or latest < ckpt:
             # The checkpoint's own version never got published (a crash while
             # it was in flight): publish those weights as that version now.
