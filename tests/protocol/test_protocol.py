@@ -146,13 +146,20 @@ def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
         assert f.version == v
         assert pulse.state_hash(f.state) == metas[v].state_hash
         assert pulse.state_hash(pulse.prepare(s, precision)) == metas[v].state_hash
-    # One follower walking forward step by step reads patches, not anchors.
+    assert [m.patch_bytes > 0 for m in metas] == [False] + [True] * 7  # anchors have one too
+    # One follower walking forward reads patches only, across anchors too.
     f = Follower(store, anchor_every=3)
     f.sync(0)
     start = f.bytes_read
-    f.sync(2)
-    assert f.bytes_read - start == metas[1].payload_bytes + metas[2].payload_bytes
-    assert not f.sync(2)
+    for v in range(1, 8):
+        f.sync(v)
+    assert f.bytes_read - start == sum(m.patch_bytes for m in metas[1:])
+    assert f.anchors_read == 1 and f.version == 7  # v0's, when it joined
+    assert not f.sync(7)
+    # A joiner reads the newest anchor and the patches after it.
+    j = Follower(store, anchor_every=3)
+    j.sync(7)
+    assert j.anchors_read == 1 and j.bytes_read == metas[6].anchor_bytes + metas[7].patch_bytes
 
 
 def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
@@ -163,7 +170,7 @@ def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
     f.sync(2)
     # v3's patch is replaced by garbage of the same size: its hash fails, so
     # the follower cannot reach v3, and never holds a wrong state.
-    store.put(keys.patch_key(3), b"x" * metas[3].payload_bytes)
+    store.put(keys.patch_key(3), b"x" * metas[3].patch_bytes)
     with pytest.raises(VersionError):
         f.sync(3)
     assert f.version == 2 and f.state_hash == metas[2].state_hash
@@ -184,7 +191,8 @@ def test_sha256_on_request_and_a_change_of_hash_mid_run(tmp_path):
     pub = Publisher(store, "bf16", anchor_every=10, hash_algo="sha256")
     metas = [pub.publish(s).meta for s in states[:3]]
     assert all(m.state_hash.startswith("sha256:") for m in metas)
-    assert all(m.payload_hash.startswith("sha256:") for m in metas)
+    assert all(m.patch_hash.startswith("sha256:") for m in metas[1:])
+    assert metas[0].anchor_hash.startswith("sha256:")
     # A resumed trainer set to BLAKE3 goes on from a SHA-256 version.
     f = Follower(store, anchor_every=10)
     f.sync(2)

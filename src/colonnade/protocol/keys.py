@@ -1,11 +1,11 @@
-"""Object keys of protocol v1, all relative to the run prefix.
+"""Object keys of protocol v2, all relative to the run prefix (docs/protocol.md).
 
 | key                                        | writer         |
 |--------------------------------------------|----------------|
 | run.json                                   | trainer, once  |
 | model/{file}                               | trainer, once  |
-| weights/{v:08d}/full.safetensors           | trainer        |
-| weights/{v:08d}/patch.pulse                | trainer        |
+| weights/{v:08d}/patch.pulse                | trainer (v ≥ 1) |
+| weights/{v:08d}/full.safetensors           | trainer (anchors) |
 | weights/{v:08d}/meta.json                  | trainer, last  |
 | weights/latest.json                        | trainer (hint) |
 | rollouts/{v:08d}/{worker}/{seq:06d}.json.zst | worker       |

@@ -125,16 +125,28 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class VersionMeta:
-    """weights/{v}/meta.json, written last: a version exists once this does."""
+    """weights/{v}/meta.json, written last: a version exists once this does.
+
+    Every version but v0 has a patch from the version before it, anchors
+    included, so a worker that follows never downloads an anchor; anchor
+    versions (v0 and every `anchor_every`-th) also hold the full state, for
+    joiners and for the fallback after a damaged patch.
+    """
 
     version: int
-    kind: str  # full | patch
     anchor: int  # newest anchor at or below this version
-    payload_bytes: int
-    payload_hash: str  # of the payload's bytes, e.g. "blake3:<hex>"
     state_hash: str  # tree hash of the state a worker rebuilds (at the run's precision)
-    full_bytes: int  # what a full checkpoint at this precision would weigh
+    full_bytes: int  # what a full checkpoint at this precision weighs
     created: float
+    patch_bytes: int = 0  # weights/{v}/patch.pulse (from v - 1); 0 for v0
+    patch_hash: str = ""  # of its bytes, e.g. "blake3:<hex>"; "" for v0
+    anchor_bytes: int = 0  # weights/{v}/full.safetensors; 0 unless v is an anchor
+    anchor_hash: str = ""  # of its bytes; "" unless v is an anchor
+
+    @property
+    def kind(self) -> str:
+        """ "full" for an anchor version, else "patch"."""
+        return "full" if self.anchor_bytes else "patch"
 
     def to_json(self) -> bytes:
         return dumps(asdict(self))
@@ -143,13 +155,16 @@ class VersionMeta:
     def from_json(cls, data: bytes) -> VersionMeta:
         d = loads(data)
         _same_fields(cls, d, "meta.json")
-        _need(_int(d["version"]) and _int(d["anchor"], 0, d["version"]), "version/anchor")
-        _need(d["kind"] in ("full", "patch"), "kind: full or patch")
-        _need(d["kind"] == "patch" or d["anchor"] == d["version"], "a full version is its anchor")
-        _need(d["kind"] == "full" or d["version"] > 0, "v0 must be full")
-        for k in ("payload_hash", "state_hash"):
-            _need(is_hash(d[k]), f"{k}: blake3:<hex> or sha256:<hex>")
-        _need(_int(d["payload_bytes"]) and _int(d["full_bytes"]), "sizes: integers")
+        v = d["version"]
+        _need(_int(v) and _int(d["anchor"], 0, v), "version/anchor")
+        _need(is_hash(d["state_hash"]), "state_hash: blake3:<hex> or sha256:<hex>")
+        for k in ("full_bytes", "patch_bytes", "anchor_bytes"):
+            _need(_int(d[k]), f"{k}: integer >= 0")
+        is_anchor = d["anchor"] == v
+        _need(is_hash(d["anchor_hash"]) == is_anchor, "an anchor version, and only one, has a full")
+        _need(is_anchor or d["anchor_hash"] == "", "anchor_hash: empty off anchors")
+        _need(is_hash(d["patch_hash"]) == (v > 0), "every version but v0, and only those, patch")
+        _need(v > 0 or d["patch_hash"] == "", "patch_hash: empty for v0")
         _need(_num(d["created"]), "created: number")
         return cls(**d)
 

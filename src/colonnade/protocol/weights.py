@@ -1,12 +1,14 @@
 """Publishing versions of the weights, and following them from a worker.
 
 The trainer publishes v0 as a full anchor, then every version as a PULSE
-patch against the previous one (a full anchor every K versions). The
-payload goes first, `meta.json` last with put-if-absent: a crash leaves an
-unreferenced payload, never a visible half version. A follower applies the
-patches in order, starting over from the newest anchor when it is more than
-K behind or a patch does not rebuild to the hash that `meta.json` promises;
-it never holds a state whose hash differs from the meta.
+patch against the previous one, anchors included: every K versions the full
+state goes up beside the patch, for joiners. The payloads go first,
+`meta.json` last with put-if-absent: a crash leaves an unreferenced payload,
+never a visible half version. A follower applies the patches in order and
+never downloads an anchor while it keeps up; it starts over from the newest
+anchor when it joins, is more than K behind, or a patch does not rebuild to
+the hash that `meta.json` promises. It never holds a state whose hash
+differs from the meta.
 """
 
 from __future__ import annotations
@@ -58,51 +60,51 @@ class Publisher:
         self.version, self.last, self.last_hash = version, prepared, state_hash
 
     def publish(self, state: State) -> Published:
+        """Publish `state` as the next version: its patch from the last one
+        (every version but v0), its full state too at an anchor, meta.json last."""
         t0 = time.perf_counter()
         v = 0 if self.version is None else self.version + 1
+        if v > 0 and self.last is None:
+            raise VersionError(f"v{v}: no published state to patch from (adopt one first)")
         new = pulse.prepare(state, self.precision)
         algo = self.hash_algo
-        sha = pulse.state_hash(new, algo)
-        # A patch names its base by the base's own hash: after a resume that
-        # adopted a version hashed otherwise, hash the base again.
-        base_hash = self.last_hash
-        if base_hash is not None and not base_hash.startswith(algo + ":"):
-            base_hash = pulse.state_hash(self.last, algo)
-        full = v == 0 or v % self.anchor_every == 0 or self.last is None
-        full_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        if full:
+        state_hash = pulse.state_hash(new, algo)
+        sizes: dict[str, int | str] = {}
+        if v > 0:
+            # A patch names its base by the base's own hash: after a resume that
+            # adopted a version hashed otherwise, hash the base again.
+            base_hash = self.last_hash
+            if base_hash is None or not base_hash.startswith(algo + ":"):
+                base_hash = pulse.state_hash(self.last, algo)
+            payload = pulse.diff(
+                self.last, new, precision="exact", base_hash=base_hash, result_hash=state_hash
+            )
+            self.store.put(keys.patch_key(v), payload)
+            sizes.update(patch_bytes=len(payload), patch_hash=pulse.digest_bytes(payload, algo))
+        if v % self.anchor_every == 0:
             # Through a file, streamed up (multipart when large): an anchor
             # never sits in memory beside the state it encodes.
-            key, anchor = keys.full_key(v), v
             with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
                 path = Path(tmp) / "full.safetensors"
                 st_save_file(new, path)
-                size, digest = path.stat().st_size, pulse.digest_file(path, algo)
-                self.store.put_file(key, path)
-        else:
-            payload = pulse.diff(
-                self.last, new, precision="exact", base_hash=base_hash, result_hash=sha
-            )
-            key, anchor = keys.patch_key(v), v - (v % self.anchor_every)
-            size, digest = len(payload), pulse.digest_bytes(payload, algo)
-            self.store.put(key, payload)
+                sizes.update(anchor_bytes=path.stat().st_size,
+                             anchor_hash=pulse.digest_file(path, algo))  # fmt: skip
+                self.store.put_file(keys.full_key(v), path)
         meta = VersionMeta(
             version=v,
-            kind="full" if full else "patch",
-            anchor=anchor,
-            payload_bytes=size,
-            payload_hash=digest,
-            state_hash=sha,
-            full_bytes=full_bytes,
+            anchor=v - v % self.anchor_every,
+            state_hash=state_hash,
+            full_bytes=sum(t.numel() * t.element_size() for t in new.values()),
             created=time.time(),
+            **sizes,
         )
         if not self.store.put_if_absent(keys.meta_key(v), meta.to_json()):
             # A retry after an outage may find its own earlier write: same state, fine.
             existing = read_meta(self.store, v)
-            if existing is None or existing.state_hash != sha:
+            if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         self.store.put(keys.LATEST, dumps({"version": v}))
-        self.adopt(v, new, sha)
+        self.adopt(v, new, state_hash)
         return Published(meta, time.perf_counter() - t0)
 
 
@@ -132,15 +134,16 @@ def latest_version(store: ObjectStore) -> int | None:
     return v
 
 
-def _payload(store: ObjectStore, key: str, meta: VersionMeta) -> bytes:
+def _payload(store: ObjectStore, key: str, size: int, digest: str) -> bytes:
+    """The object at `key`, checked against the size and hash meta.json promise."""
     try:
-        data = store.get(key, max_bytes=meta.payload_bytes)
+        data = store.get(key, max_bytes=size)
     except ObjectTooLarge:
         # Longer than meta.json says is damage, like a hash mismatch: as a
         # StoreError it skipped the anchor fallback, and the worker retried it
         # as an outage without end.
         raise VersionError(f"{key}: payload is larger than meta.json says") from None
-    if not _same(pulse.digest_bytes, data, meta.payload_hash):
+    if not _same(pulse.digest_bytes, data, digest):
         raise VersionError(f"{key}: payload hash differs from meta.json")
     return data
 
@@ -151,16 +154,18 @@ def _same(digest, data, expected: str) -> bool:
 
 
 def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
-    """The anchor of `meta`, downloaded to a file (streamed or in ranged GETs),
-    its hash checked, then loaded: never twice in memory."""
+    """The full state of anchor version `meta`, downloaded to a file (streamed
+    or in ranged GETs), its hash checked, then loaded: never twice in memory."""
     key = keys.full_key(meta.version)
+    if not meta.anchor_bytes:
+        raise VersionError(f"v{meta.version} is not an anchor")
     with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
         path = Path(tmp) / "full.safetensors"
         try:
-            store.get_file(key, path, max_bytes=meta.payload_bytes)
+            store.get_file(key, path, max_bytes=meta.anchor_bytes)
         except ObjectTooLarge:
             raise VersionError(f"{key}: payload is larger than meta.json says") from None
-        if not _same(pulse.digest_file, path, meta.payload_hash):
+        if not _same(pulse.digest_file, path, meta.anchor_hash):
             raise VersionError(f"{key}: payload hash differs from meta.json")
         try:
             # Each tensor copied out of the file's mapping, which closes with
@@ -183,6 +188,7 @@ class Follower:
         self.version: int | None = None
         self.state_hash: str | None = None
         self.bytes_read = 0
+        self.anchors_read = 0  # a follower that keeps up reads none after its first
 
     def _meta(self, v: int) -> VersionMeta:
         try:
@@ -199,28 +205,28 @@ class Follower:
         anchor = self._meta(target.anchor)
         self.state = load_full(self.store, anchor)
         self.version, self.state_hash = anchor.version, anchor.state_hash
-        self.bytes_read += anchor.payload_bytes
+        self.bytes_read += anchor.anchor_bytes
+        self.anchors_read += 1
         self._patch_to(target.version)
 
     def _patch_to(self, target: int) -> None:
+        """Patch forward to `target`: anchors are never read on the way."""
         while self.version < target:
             meta = self._meta(self.version + 1)
-            if meta.kind == "full":
-                self.state = load_full(self.store, meta)
-            else:
-                patch = _payload(self.store, keys.patch_key(meta.version), meta)
-                # apply() verifies the rebuilt state against the patch's own
-                # hash; that hash must be the one meta.json promises.
-                header = pulse.read_header(patch)
-                if header["result_hash"] != meta.state_hash:
-                    raise VersionError(f"v{meta.version}: patch and meta.json disagree")
-                # The hash we hold spares hashing the base again, if the patch
-                # names its base with the same algorithm.
-                known = self.state_hash
-                if algo_of(known) != algo_of(header["base_hash"]):
-                    known = None
-                self.state = pulse.apply(self.state, patch, base_hash=known)
-            self.bytes_read += meta.payload_bytes
+            key = keys.patch_key(meta.version)
+            patch = _payload(self.store, key, meta.patch_bytes, meta.patch_hash)
+            # apply() verifies the rebuilt state against the patch's own
+            # hash; that hash must be the one meta.json promises.
+            header = pulse.read_header(patch)
+            if header["result_hash"] != meta.state_hash:
+                raise VersionError(f"v{meta.version}: patch and meta.json disagree")
+            # The hash we hold spares hashing the base again, if the patch
+            # names its base with the same algorithm.
+            known = self.state_hash
+            if algo_of(known) != algo_of(header["base_hash"]):
+                known = None
+            self.state = pulse.apply(self.state, patch, base_hash=known)
+            self.bytes_read += meta.patch_bytes
             self.version, self.state_hash = meta.version, meta.state_hash
 
     def sync(self, target: int | None = None) -> bool:

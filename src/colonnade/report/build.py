@@ -45,7 +45,8 @@ def _versions(store: ObjectStore) -> list[dict]:
                 {
                     "version": v,
                     "kind": meta.kind,
-                    "bytes": meta.payload_bytes,
+                    "bytes": meta.anchor_bytes or meta.patch_bytes,
+                    "patch_bytes": meta.patch_bytes,
                     "full_bytes": meta.full_bytes,
                 }
             )
@@ -116,7 +117,7 @@ def build_report(store: ObjectStore) -> dict:
         spec = None  # the launcher stopped before the trainer created the run
     rows = read_rows(store, "trainer").get("trainer-main", [])
     versions = _versions(store)
-    patches = [v["bytes"] for v in versions if v["kind"] == "patch"]
+    patches = [v["patch_bytes"] for v in versions if v["version"] > 0]
     tokens = sum(r.get("tokens", 0) for r in rows)
     masked = sum(r.get("masked_fraction", 0.0) * r.get("tokens", 0) for r in rows)
     step_s = sum(r.get("step_seconds", 0.0) for r in rows)

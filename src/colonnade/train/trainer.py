@@ -343,7 +343,7 @@ class Trainer:
         self._save(0)
         meta = self.publisher.publish(self._snapshot()).meta
         self.version = 0
-        log.info("run %s: published v0 (%d bytes, full)", spec.run_id, meta.payload_bytes)
+        log.info("run %s: published v0 (%d bytes, full)", spec.run_id, meta.anchor_bytes)
 
     def _resume(self) -> None:
         if not self.cfg.resume:
@@ -512,7 +512,8 @@ class Trainer:
         )
         m.update(
             publish_seconds=round(pub.seconds, 3),
-            patch_bytes=pub.meta.payload_bytes,
+            patch_bytes=pub.meta.patch_bytes,
+            anchor_bytes=pub.meta.anchor_bytes,
             full_bytes=pub.meta.full_bytes,
             kind=pub.meta.kind,
         )
