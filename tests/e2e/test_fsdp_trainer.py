@@ -77,7 +77,9 @@ def test_run_with_two_trainer_ranks_learns(cache, tmp_path):
     cache_root, _ = cache
     out = tmp_path / "run"
     cfg = tmp_path / "run.toml"
-    cfg.write_text("eval_n = 64\n[trainer]\nmax_versions = 16\ncheckpoint_every = 8\n")
+    cfg.write_text(
+        "eval_n = 64\n[trainer]\nmax_versions = 16\ncheckpoint_every = 8\nretain_all = true\n"
+    )
     cmd = [sys.executable, "-m", "colonnade", "run", "--preset", "smoke", "--config", str(cfg),
            "--trainer-ranks", "2", "--workers", "1", "--out", str(out), "--no-live"]  # fmt: skip
     p = subprocess.run(cmd, env=_env(cache_root), capture_output=True, text=True, timeout=580)
@@ -100,7 +102,7 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
     root = tmp_path / "store"
     args = ["trainer", "--store", str(root), "--preset", "smoke", "--model", str(model),
             "--device", "cpu", "--max-versions", "10", "--max-lag", "1", "--checkpoint-every",
-            "2", "--anchor-every", "3"]  # fmt: skip
+            "2", "--anchor-every", "3", "--retain-all"]  # fmt: skip
     store = LocalStore(root)
     job = _torchrun(args, tmp_path / "job1.log", env)
     worker = None

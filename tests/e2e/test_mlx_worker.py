@@ -24,7 +24,16 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     trainer = _spawn(
-        ["trainer", "--store", str(root), "--preset", "smoke", "--max-versions", str(MAX_VERSIONS)],
+        [
+            "trainer",
+            "--store",
+            str(root),
+            "--preset",
+            "smoke",
+            "--max-versions",
+            str(MAX_VERSIONS),
+            "--retain-all",
+        ],
         tmp_path / "trainer.log",
         env,
     )

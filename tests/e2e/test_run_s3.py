@@ -29,7 +29,9 @@ def test_run_over_s3(tmp_path, seaweed, monkeypatch):
     }
     url = f"s3://{seaweed.bucket}/run-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "run.toml"
-    cfg.write_text("warmstart_steps = 20\neval_n = 8\n[trainer]\nmax_versions = 4\n")
+    cfg.write_text(
+        "warmstart_steps = 20\neval_n = 8\n[trainer]\nmax_versions = 4\nretain_all = true\n"
+    )
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "colonnade.cli.main", "run", "--preset", "smoke"]
     cmd += ["--config", str(cfg), "--out", str(out), "--no-live"]

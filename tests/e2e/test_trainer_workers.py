@@ -63,6 +63,7 @@ def test_run_survives_a_trainer_kill(tmp_path):
         "2",
         "--anchor-every",
         "3",
+        "--retain-all",
     ]
     trainer = _spawn(trainer_args, tmp_path / "trainer1.log", env)
     store = LocalStore(root)

@@ -296,7 +296,8 @@ def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path)
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "colonnade"]
-    args = ["trainer", "--store", str(root), "--preset", "smoke", "--checkpoint-every", "1"]
+    args = ["trainer", "--store", str(root), "--preset", "smoke", "--checkpoint-every", "1",
+            "--retain-all"]  # fmt: skip
 
     def trainer(versions, log):
         out = (tmp_path / log).open("w")

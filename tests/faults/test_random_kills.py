@@ -29,7 +29,7 @@ KILLS = 4
 
 def _trainer_args(root, takeover):
     args = ["trainer", "--store", str(root), "--preset", "smoke", "--max-versions",
-            str(VERSIONS), "--max-lag", str(MAX_LAG), "--checkpoint-every", "2",
+            str(VERSIONS), "--retain-all", "--max-lag", str(MAX_LAG), "--checkpoint-every", "2",
             "--anchor-every", str(ANCHOR)]  # fmt: skip
     return [*args, "--takeover"] if takeover else args
 

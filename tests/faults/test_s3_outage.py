@@ -33,7 +33,7 @@ def test_run_survives_an_s3_outage(tmp_path, monkeypatch):
         cli = [sys.executable, "-m", "colonnade.cli.main"]
         tlog, wlog = (tmp_path / "trainer.log").open("w"), (tmp_path / "worker.log").open("w")
         trainer = subprocess.Popen(
-            [*cli, "trainer", *common, "--preset", "smoke", "--max-versions", "6"],
+            [*cli, "trainer", *common, "--preset", "smoke", "--max-versions", "6", "--retain-all"],
             env=env, stdout=tlog, stderr=subprocess.STDOUT,
         )  # fmt: skip
         worker = subprocess.Popen(

@@ -32,7 +32,7 @@ def _start(tmp_path: Path, root: Path) -> list[subprocess.Popen]:
     cli = [sys.executable, "-m", "colonnade.cli.main"]
     cmds = {
         "trainer": [*cli, "trainer", "--store", str(root), "--preset", "smoke",
-                    "--max-versions", str(VERSIONS), "--max-lag", str(MAX_LAG)],
+                    "--max-versions", str(VERSIONS), "--max-lag", str(MAX_LAG), "--retain-all"],
         "fast": [*cli, "worker", "--store", str(root), "--id", "fast"],
         "slow": [sys.executable, str(HERE / "slow_worker.py"), "--store", str(root),
                  "--id", "slow", "--delay", str(DELAY)],

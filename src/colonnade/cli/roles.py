@@ -62,6 +62,13 @@ def _register_trainer(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 8192)")
     t.add_argument(
+        "--retain-all",
+        action="store_true",
+        default=None,
+        help="keep every rollout, ledger and version (for audits); by default what no "
+        "step or joiner can use any more is deleted",
+    )
+    t.add_argument(
         "--fsdp",
         action="store_true",
         default=None,
@@ -154,6 +161,7 @@ def _trainer(args: argparse.Namespace) -> int:
             "grad_ckpt",
             "micro_tokens",
             "fsdp",
+            "retain_all",
             "lr",
             "group_size",
             "groups_per_step",

@@ -16,7 +16,7 @@ import json
 import statistics
 from collections import Counter
 
-from colonnade.protocol import RunSpec, keys, latest_version, read_meta
+from colonnade.protocol import RunSpec, keys, read_meta
 from colonnade.protocol.presence import worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.store import NotFound, ObjectStore
@@ -36,9 +36,10 @@ def read_launch(store: ObjectStore) -> dict | None:
 
 
 def _versions(store: ObjectStore) -> list[dict]:
-    latest = latest_version(store)
+    """The versions still in the store (retention deletes old ones)."""
+    found = sorted(int(k.split("/")[1]) for k in store.list("weights/") if k.endswith("/meta.json"))
     out = []
-    for v in range(0 if latest is None else latest + 1):
+    for v in found:
         meta = read_meta(store, v)
         if meta is not None:
             out.append(
@@ -83,7 +84,11 @@ def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _ledger_batches(store: ObjectStore) -> int:
+def _trained_batches(store: ObjectStore, rows: list[dict]) -> int:
+    """Batches trained on: from the metric rows (retention deletes old
+    ledgers); from the ledgers for runs whose rows do not say."""
+    if rows and all("batches_trained" in r for r in rows):
+        return sum(r["batches_trained"] for r in rows)
     return sum(
         len(json.loads(store.get(k, max_bytes=64 << 20))["keys"])
         for k in store.list("trainer/consumed/")
@@ -127,22 +132,27 @@ def build_report(store: ObjectStore) -> dict:
     last = rows[-1] if rows else {}
     t0 = launch.get("started") or (rows[0]["time"] - rows[0].get("step_seconds", 0) if rows else 0)
     wall = launch.get("wall_s") or (round(last["time"] - t0, 1) if rows else 0.0)
-    consumed, rejected = _ledger_batches(store), int(last.get("batches_rejected", 0))
-    # Counted from the store itself: the trainer's stale counter misses
-    # batches that land after their version left the window.
-    uploaded = len(store.list("rollouts/"))
+    consumed, rejected = _trained_batches(store, rows), int(last.get("batches_rejected", 0))
+    # Counted by the workers themselves (a row per batch uploaded): the
+    # trainer's stale counter misses batches that land after their version
+    # left the window, and retention deletes old rollouts.
+    workers = _workers(store, rows)
+    uploaded = sum(w["batches"] for w in workers.values())
     return {
         "run_id": spec.run_id if spec else None,
         "env": spec.env if spec else launch.get("env"),
         "model": launch.get("model", "unknown"),
         "preset": launch.get("preset"),
         "status": launch.get("status", "unknown"),
-        "workers": _workers(store, rows),
+        "workers": workers,
         "eval": {w: _json(store, k) for w, k in keys.EVAL.items()},
         "versions_published": versions[-1]["version"] if versions else None,
         "rollouts_consumed": consumed,
         "rollouts_uploaded": uploaded,
         "rollouts_unused": max(0, uploaded - consumed - rejected),
+        # Uploaded groups never trained on, over uploaded groups: what the
+        # fleet made for nothing (stale, rejected, replayed, surplus).
+        "waste_fraction": _waste(workers, rows, spec),
         "episodes_consumed": sum(r.get("episodes", 0) for r in rows),
         "rollouts_dropped_stale": int(last.get("batches_dropped_stale", 0)),
         "rollouts_rejected": rejected,
@@ -159,7 +169,7 @@ def build_report(store: ObjectStore) -> dict:
             "mismatch_kl_mean": _mean(r.get("mismatch_kl") for r in rows),
         },
         "sync": {
-            "full_bytes": versions[0]["bytes"] if versions else None,
+            "full_bytes": next((v["bytes"] for v in versions if v["kind"] == "full"), None),
             "patch_bytes_median": statistics.median(patches) if patches else None,
             "patches": len(patches),
             "anchors": sum(v["kind"] == "full" for v in versions),
@@ -174,6 +184,15 @@ def build_report(store: ObjectStore) -> dict:
         "series": _series(rows, t0),
         "versions": versions,
     }
+
+
+def _waste(workers: dict, rows: list[dict], spec) -> float | None:
+    episodes = sum(w["episodes"] for w in workers.values())
+    if spec is None or not episodes:
+        return None
+    uploaded = episodes / spec.group_size
+    trained = sum(r.get("groups", 0) for r in rows)
+    return round(max(0.0, 1.0 - trained / uploaded), 4)
 
 
 def _share(rows: list[dict], key: str, total: float) -> float | None:

@@ -84,6 +84,11 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; no error if it is missing."""
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove these objects (missing ones are fine), in order."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def put_file(self, key: str, path: Path) -> None:
         """Upload a file of any size, streamed (multipart above `multipart_bytes`).

@@ -260,3 +260,20 @@ class S3Store(ObjectStore):
     def delete(self, key: str) -> None:
         k = self._k(key)
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=k))
+
+    def delete_many(self, keys: list[str]) -> None:
+        """DeleteObjects, 1,000 keys a request; a key it could not delete is an error."""
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self._k(k)} for k in keys[i : i + 1000]]
+
+            def call(batch=batch):
+                return self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+
+            errors = self._call("delete_many", keys[i], call).get("Errors", [])
+            if errors:
+                e = errors[0]
+                code = str(e.get("Code", ""))
+                error = AccessDenied if code in _DENIED else StoreError
+                raise error(f"{self.url}: delete {e.get('Key')}: {code} {e.get('Message', '')}")

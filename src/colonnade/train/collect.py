@@ -47,6 +47,15 @@ class Collected:
     rejected: list[str] = field(default_factory=list)  # batches taken and refused whole
 
 
+# The names of the collector's counters (as they appear in the trainer's rows).
+COUNTS = ("batches_rejected", "batches_dropped_stale", "batches_from_", "groups_rejected",
+          "groups_replayed", "rejected_")  # fmt: skip
+
+
+def is_count(name: str) -> bool:
+    return name.startswith(COUNTS)
+
+
 def take_order(fresh: dict[int, list[str]]) -> list[str]:
     """The order to take batches in: newest version first, workers in turn.
 

@@ -50,11 +50,12 @@ from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import Checkpointer, latest_checkpoint, prune_checkpoints
-from .collect import Collector
+from .collect import Collector, is_count
 from .distributed import Command, Dist, init_distributed
 from .loss import GateConfig
 from .policy import build_policy, full_state
 from .quarantine import Ledger, QuarantineConfig
+from .retention import Retention
 from .samples import rebuild_group
 from .step import StepConfig, train_step
 
@@ -103,6 +104,7 @@ class TrainerConfig:
     logit_chunk_tokens: int = 4096  # row-positions whose fp32 logits exist at once
     checkpoint_every: int = 5
     keep_checkpoints: int = 2  # older complete checkpoints are deleted
+    retain_all: bool = False  # keep every rollout, ledger and version (audits); see retention.py
     staging_dir: str = ""  # local folder for checkpoint shards; default <cache>/staging
     multipart_mb: int = 64  # store objects from this size up go multipart / ranged
     poll_seconds: float = 1.0
@@ -253,6 +255,9 @@ class Trainer:
         )
         exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
+        self.retention = Retention(
+            self.store, cfg.max_lag, cfg.anchor_every, enabled=not cfg.retain_all
+        )
 
     # -- what every rank does together, announced by rank 0 ------------------------------
     def _command(self, cmd: Command, arg: int = 0) -> None:
@@ -393,9 +398,8 @@ class Trainer:
         """Resumed: the collector's counters go on from the last row written,
         so totals (rejections by reason, drops) cover the whole run."""
         last = self.telemetry.rows[-1] if self.telemetry.rows else {}
-        counted = ("batches_", "groups_", "rejected_")
         for k, n in last.items():
-            if k.startswith(counted) and isinstance(n, int):
+            if is_count(k) and isinstance(n, int):
                 self.collector.counts[k] = n
         for w, c in (last.get("per_worker") or {}).items():
             if isinstance(c, dict):
@@ -472,6 +476,7 @@ class Trainer:
             staleness={str(k): n for k, n in sorted(got.staleness.items())},
             wait_seconds=round(got.wait_seconds, 3),
             rejected=counts["batches_rejected"] + counts["groups_rejected"] - before,
+            batches_trained=len(got.keys),
             workers_alive=self._retry("workers", self.workers_alive, deadline),
             per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
             **{k: int(n) for k, n in counts.items()},
@@ -511,6 +516,11 @@ class Trainer:
             "publish", lambda: self.publisher.publish(state), self.cfg.store_outage_seconds
         )
         m.update(
+            deleted=self._retry(
+                "retention",
+                lambda: self.retention.sweep(pub.meta.version),
+                self.cfg.store_outage_seconds,
+            ),
             publish_seconds=round(pub.seconds, 3),
             patch_bytes=pub.meta.patch_bytes,
             anchor_bytes=pub.meta.anchor_bytes,
