@@ -54,7 +54,8 @@ import json, statistics, sys
 from pathlib import Path
 run = Path(sys.argv[1])
 report = json.loads((run / "report.json").read_text())
-rows = [json.loads(line) for line in (run / "store/metrics/trainer-main.jsonl").read_text().splitlines()]
+rows = [json.loads(line) for seg in sorted((run / "store/metrics/trainer-main").glob("*.jsonl"))
+        for line in seg.read_text().splitlines()]
 log = (run / "logs/trainer.log").read_text()
 print(json.dumps({
     "status": report["status"],

@@ -87,7 +87,7 @@ def test_ctrl_c_or_sigterm_stops_every_child_and_still_reports(tmp_path, sig):
     launcher = subprocess.Popen(
         cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    rows = out / "store" / "metrics" / "trainer-main.jsonl"
+    rows = out / "store" / "metrics" / "trainer-main" / "000000.jsonl"
     t0 = time.monotonic()
     while not (rows.is_file() and len(rows.read_text().splitlines()) >= 2):
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]

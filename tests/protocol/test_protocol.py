@@ -206,3 +206,21 @@ def test_sha256_on_request_and_a_change_of_hash_mid_run(tmp_path):
         assert pulse.state_hash(g.state, metas[v].state_hash.split(":")[0]) == metas[v].state_hash
     f.sync(4)  # a follower holding a SHA-256 hash applies a BLAKE3 patch
     assert f.version == 4 and f.state_hash == metas[4].state_hash
+
+
+def test_fresh_workers_come_from_one_listing(tmp_path):
+    import os
+    import time
+
+    from colonnade.protocol.presence import fresh_workers
+
+    store = LocalStore(tmp_path)
+    for w in ("w1", "w2", "gone"):
+        store.put(keys.worker_key(w), b"{}")
+    old = time.time() - 600
+    os.utime(store.root / keys.worker_key("gone"), (old, old))
+    calls = []
+    real = store.get
+    store.get = lambda *a, **k: calls.append(a) or real(*a, **k)
+    assert fresh_workers(store, time.time(), 60) == {"w1", "w2"}
+    assert calls == []  # no heartbeat read one by one

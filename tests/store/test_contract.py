@@ -81,3 +81,15 @@ def test_invalid_keys_rejected(store, key):
         store.put(key, b"v")
     with pytest.raises(InvalidKey):
         store.get(key)
+
+
+def test_list_times_gives_each_key_its_write_time(store):
+    import time
+
+    t0 = time.time()
+    store.put("workers/a.json", b"{}")
+    store.put("workers/b.json", b"{}")
+    store.put("other/c", b"x")
+    times = store.list_times("workers/")
+    assert sorted(times) == ["workers/a.json", "workers/b.json"]
+    assert all(abs(t - t0) < 60 for t in times.values())

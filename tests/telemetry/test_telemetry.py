@@ -4,14 +4,14 @@ import urllib.request
 
 from colonnade.store import LocalStore
 from colonnade.telemetry import Exporter, Telemetry, read_rows
-from colonnade.telemetry.rows import metrics_file, parse_rows
+from colonnade.telemetry.rows import SEGMENT_ROWS, parse_rows, segment_key
 
 
 def test_rows_flush_and_survive_a_restart(tmp_path):
     store = LocalStore(tmp_path)
     t = Telemetry(store, "worker", "w1", flush_seconds=3600)
     t.row(version=0, episodes=8)
-    assert not store.exists(metrics_file("worker", "w1"))  # rate-limited
+    assert not store.exists(segment_key("worker", "w1", 0))  # rate-limited
     t.flush()
     t2 = Telemetry(store, "worker", "w1", flush_seconds=0)  # a restarted process
     t2.row(version=1, episodes=8)
@@ -20,6 +20,22 @@ def test_rows_flush_and_survive_a_restart(tmp_path):
     Telemetry(store, "trainer", "main", 0).row(version=1)
     assert set(read_rows(store)) == {"worker-w1", "trainer-main"}
     assert set(read_rows(store, "trainer")) == {"trainer-main"}
+
+
+def test_rows_go_to_append_only_segments(tmp_path):
+    store = LocalStore(tmp_path)
+    t = Telemetry(store, "trainer", "main", flush_seconds=0)
+    for v in range(SEGMENT_ROWS + 3):
+        t.row(version=v)
+    assert store.list("metrics/") == [segment_key("trainer", "main", i) for i in (0, 1)]
+    first = store.get(segment_key("trainer", "main", 0))
+    assert len(t.rows) == 3  # one segment's rows in memory
+    again = Telemetry(store, "trainer", "main", flush_seconds=0)  # a restart
+    assert again.last["version"] == SEGMENT_ROWS + 2
+    again.row(version=-1)
+    assert store.get(segment_key("trainer", "main", 0)) == first  # never rewritten
+    rows = read_rows(store, "trainer")["trainer-main"]
+    assert [r["version"] for r in rows] == [*range(SEGMENT_ROWS + 3), -1]
 
 
 def test_parse_rows_skips_broken_lines():

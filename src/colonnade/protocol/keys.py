@@ -11,7 +11,7 @@
 | rollouts/{v:08d}/{worker}/{seq:06d}.json.zst | worker       |
 | workers/{worker}.json                      | worker         |
 | trainer/...                                | trainer        |
-| metrics/{role}-{id}.jsonl                  | each process   |
+| metrics/{role}-{id}/{seg:06d}.jsonl        | each process   |
 | report/launch.json, report/eval-*.json     | colonnade run  |
 """
 

@@ -22,6 +22,17 @@ def worker_heartbeats(store: ObjectStore) -> dict[str, dict]:
     return out
 
 
+def fresh_workers(store: ObjectStore, now: float, timeout: float) -> set[str]:
+    """Workers whose heartbeat object was written in the last `timeout` seconds:
+    one listing, however many workers (clocks assumed within a few seconds)."""
+    out = set()
+    for key, t in store.list_times("workers/").items():
+        worker = key.removeprefix("workers/").removesuffix(".json")
+        if key.endswith(".json") and "/" not in worker and now - t < timeout:
+            out.add(worker)
+    return out
+
+
 def alive(heartbeats: dict[str, dict], now: float, timeout: float) -> dict[str, dict]:
     """The heartbeats younger than `timeout` seconds."""
     return {w: hb for w, hb in heartbeats.items() if now - float(hb.get("time", 0)) < timeout}

@@ -84,6 +84,11 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; no error if it is missing."""
 
+    @abstractmethod
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        """{key: last-modified time, epoch seconds} for keys under prefix: one
+        listing, where reading each object would be a request apiece."""
+
     def delete_many(self, keys: list[str]) -> None:
         """Remove these objects (missing ones are fine), in order."""
         for key in keys:

@@ -213,6 +213,13 @@ class LocalStore(ObjectStore):
                     keys.append(key)
         return sorted(keys)
 
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        out = {}
+        for key in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                out[key] = os.lstat(self.root / key).st_mtime
+        return out
+
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
             self._path(key).unlink()

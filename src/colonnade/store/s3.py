@@ -257,6 +257,24 @@ class S3Store(ObjectStore):
 
         return sorted(self._call("list", prefix, pages))
 
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        check_prefix(prefix)
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def pages() -> dict[str, float]:
+            pager = self.client.get_paginator("list_objects_v2")
+            it = pager.paginate(
+                Bucket=self.bucket, Prefix=full, PaginationConfig={"PageSize": self.list_page_size}
+            )
+            return {
+                o["Key"][strip:]: o["LastModified"].timestamp()
+                for page in it
+                for o in page.get("Contents", [])
+            }
+
+        return self._call("list", prefix, pages)
+
     def delete(self, key: str) -> None:
         k = self._k(key)
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=k))

@@ -1,8 +1,9 @@
 """Telemetry: one metrics API for every role.
 
-`Telemetry.row(...)` records a row of figures. Rows go to the store as
-`metrics/{role}-{id}.jsonl` (the source of `colonnade report`) and, when an
-`Exporter` is attached, to a Prometheus endpoint.
+`Telemetry.row(...)` records a row of figures. Rows go to the store in
+append-only segments, `metrics/{role}-{id}/{segment}.jsonl` (the source of
+`colonnade report`), and, when an `Exporter` is attached, to a Prometheus
+endpoint.
 """
 
 from .exporter import Exporter

@@ -38,7 +38,7 @@ from colonnade.model import cache_root, load_model, local_model_dir, resolve_mod
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
 from colonnade.protocol.polling import moving_gap
-from colonnade.protocol.presence import alive, worker_heartbeats
+from colonnade.protocol.presence import fresh_workers
 from colonnade.protocol.schemas import MAX_JSON_BYTES, batch_bytes_bound, dumps, loads
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.protocol.weights import VersionError
@@ -397,7 +397,7 @@ class Trainer:
     def _restore_counts(self) -> None:
         """Resumed: the collector's counters go on from the last row written,
         so totals (rejections by reason, drops) cover the whole run."""
-        last = self.telemetry.rows[-1] if self.telemetry.rows else {}
+        last = self.telemetry.last or {}
         for k, n in last.items():
             if is_count(k) and isinstance(n, int):
                 self.collector.counts[k] = n
@@ -438,7 +438,7 @@ class Trainer:
 
     def workers_alive(self) -> int:
         """Workers whose heartbeat is younger than heartbeat_timeout."""
-        return len(alive(worker_heartbeats(self.store), time.time(), self.cfg.heartbeat_timeout))
+        return len(fresh_workers(self.store, time.time(), self.cfg.heartbeat_timeout))
 
     def _waiting(self) -> bool:
         """Polled while collecting: keeps the other ranks' collectives alive;
