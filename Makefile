@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint run bench clean
+.PHONY: setup test test-fast lint run bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ lint: setup
 # pytest exits 5 when it collects no test; that is not a failure of the code.
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The fast lane: unit and protocol tests, no separate processes, no S3 server,
+# nothing slow (a few minutes on 2 cores). `make test` stays the full suite.
+test-fast: lint
+	$(BIN)/pytest -q -m "not slow and not procs and not s3" $(PYTEST_ARGS)
 
 run: setup
 	$(BIN)/colonnade run

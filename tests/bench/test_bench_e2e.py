@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from colonnade.bench.e2e import main, summarize, time_to_target
+
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 
 def _rows(passes, step=2.0, start=100.0):

@@ -3,9 +3,12 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from colonnade.bench import pulse as bench
+
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 
 def test_quick_run_writes_complete_results(tmp_path, capsys):

@@ -1,6 +1,10 @@
 import json
 
+import pytest
+
 from colonnade.bench.rollout import main
+
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 KEYS = {"model", "batch", "fp32_tok_s", "int8_tok_s", "hf_generate_tok_s", "peak_rss_mb"}
 

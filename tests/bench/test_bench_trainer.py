@@ -7,6 +7,8 @@ import pytest
 
 from colonnade.bench.trainer import main
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 KEYS = {"model", "device", "dtype", "grad_ckpt", "ranks", "step_s", "tokens_per_s",
         "peak_mem_mb", "publish_s", "publish_blocked_s"}  # fmt: skip
 

@@ -23,6 +23,8 @@ from colonnade.protocol import keys, latest_version
 from colonnade.store import LocalStore
 from run_checks import check_consumed, check_versions
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 DEADLINE = 60  # seconds from a rank's SIGKILL to the end of the job
 SMOKE_WARMSTART = {"model": "tiny", "env": "smoke", "good_fraction": 0.3, "steps": 300}
 

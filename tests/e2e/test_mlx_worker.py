@@ -16,6 +16,8 @@ from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
 from e2e.test_trainer_workers import _spawn, _wait
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 MAX_VERSIONS = 6
 
 

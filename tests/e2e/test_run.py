@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 REPORT_KEYS = {
     "env", "model", "workers", "eval", "versions_published", "rollouts_consumed",
     "rollouts_dropped_stale", "rollouts_rejected", "gate", "sync", "wall_s",

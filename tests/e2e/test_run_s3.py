@@ -17,6 +17,8 @@ import pytest
 from colonnade.protocol import Follower, latest_version, read_meta
 from colonnade.store import open_store
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 
 @pytest.mark.s3
 @pytest.mark.timeout(400)

@@ -21,6 +21,8 @@ from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
 from run_checks import check_consumed, check_versions
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 MAX_VERSIONS = 7
 MAX_LAG = 1
 

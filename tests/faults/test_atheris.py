@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 TARGETS = Path(__file__).with_name("fuzz_targets.py")
 SECONDS = 10  # per target
 

@@ -283,6 +283,7 @@ def test_worker_ids_are_strict():
 # -- against a real trainer ---------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path):
     import signal

@@ -18,6 +18,8 @@ import pytest
 from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 HERE = Path(__file__).parent
 
 

@@ -23,6 +23,8 @@ from colonnade.protocol.signing import strip_unsigned
 from colonnade.store import LocalStore
 from run_checks import check_consumed, check_versions
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 VERSIONS, MAX_LAG, ANCHOR = 8, 1, 4
 KILLS = 4
 

@@ -18,6 +18,8 @@ from colonnade.protocol import Follower, latest_version, read_meta
 from colonnade.store import StoreError, open_store
 from s3server import SeaweedServer, weed_binary
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 
 @pytest.mark.s3
 @pytest.mark.timeout(420)

@@ -23,6 +23,8 @@ from colonnade.report import build_report
 from colonnade.store import LocalStore
 from colonnade.telemetry import read_rows
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 HERE = Path(__file__).parent
 VERSIONS, MAX_LAG, DELAY = 40, 1, 2.0
 

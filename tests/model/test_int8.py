@@ -146,3 +146,30 @@ def test_loading_only_the_changed_tensors_equals_a_full_load(tiny_dir, tiny):
                 assert torch.equal(m.codes, other.codes) and torch.equal(m.scale, other.scale)
         for k, v in want.items():
             assert torch.equal(v, got[k]), (load.__name__, k)
+
+
+def test_a_model_directory_and_its_published_v0_run_identical_codes(tiny_dir, tmp_path):
+    """One quantizer: `colonnade eval` of a directory, the run's eval before,
+    and a worker on the run's v0 all run the codes the trainer published."""
+    from colonnade.model import publishable_state
+    from colonnade.protocol import Follower, Publisher
+    from colonnade.rollout.loader import engine_for, load_engine
+    from colonnade.store import LocalStore
+
+    direct = load_engine(tiny_dir, "int8", "cpu").model
+    model, tok = load_model(tiny_dir)
+    store = LocalStore(tmp_path)
+    Publisher(store, "int8", anchor_every=10).publish(publishable_state(model))
+    f = Follower(store, 10)
+    f.sync(0)
+    skeleton, _ = load_model(tiny_dir)
+    worker = engine_for(skeleton, tok, f.state, "int8", torch.device("cpu")).model
+    linears = [(n, m) for n, m in direct.named_modules() if isinstance(m, Int8Linear)]
+    assert linears
+    for name, m in linears:
+        other = worker.get_submodule(name)
+        assert torch.equal(m.codes, other.codes) and torch.equal(m.scale, other.scale), name
+    for (n, a), (_, b) in zip(
+        direct.state_dict().items(), worker.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), n

@@ -11,6 +11,8 @@ import pytest
 from colonnade.store import LocalStore
 from s3server import make_s3_store
 
+pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
+
 N = 12
 SCRIPT = r"""
 import os, sys, time, json

@@ -10,14 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from colonnade.envs import Environment
-from colonnade.model import load_dequantized, load_int8, tied_aliases
+from colonnade.model import load_dequantized, tied_aliases
 from colonnade.protocol import Follower, RunSpec, keys
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.engine import Engine
 from colonnade.rollout.evaluate import evaluate
-from colonnade.rollout.loader import resolve_engine
+from colonnade.rollout.loader import engine_for, resolve_engine
 from colonnade.rollout.worker import fetch_model
 from colonnade.store import ObjectStore
 
@@ -30,30 +32,17 @@ def _version_state(store: ObjectStore, version: int):
     return spec, model, tok, follower
 
 
-def _version_model(store: ObjectStore, version: int, int8: bool):
-    spec, model, tok, follower = _version_state(store, version)
-    aliases = tied_aliases(model)
-    if int8 and spec.precision == "int8":
-        load_int8(model, follower.state, aliases)
-    else:
-        load_dequantized(model, follower.state, aliases)
-    return model, tok
-
-
 def version_engine(store: ObjectStore, version: int, engine: str = "torch") -> Engine:
     """The published `version` on the engine a worker with `--engine engine` runs."""
-    if resolve_engine(engine) == "mlx":
-        from colonnade.rollout.mlx_engine import MlxEngine
-
-        spec, model, tok, follower = _version_state(store, version)
-        return MlxEngine.from_state(model, tok, follower.state, spec.precision, version)
-    model, tok = _version_model(store, version, int8=True)
-    return Engine(model, tok, version=version)
+    spec, model, tok, follower = _version_state(store, version)
+    return engine_for(model, tok, follower.state, spec.precision, torch.device("cpu"),
+                      resolve_engine(engine), version)  # fmt: skip
 
 
 def export_version(store: ObjectStore, version: int, out: Path) -> Path:
     """A normal model directory (float weights, config, tokenizer) of a published version."""
-    model, tok = _version_model(store, version, int8=False)
+    _, model, tok, follower = _version_state(store, version)
+    load_dequantized(model, follower.state, tied_aliases(model))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

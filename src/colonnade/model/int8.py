@@ -27,7 +27,7 @@ from collections.abc import Mapping, Set
 import torch
 from torch import nn
 
-from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows, quantize_state
+from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -50,7 +50,12 @@ def publishable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return quantize_state(publishable_state(model))
+    """The int8 codes and scales a trainer publishes for these weights: the
+    publisher's own path (bf16 first, then per-row codes), so a model run
+    from here and one run from the store hold the same codes."""
+    from colonnade.pulse import prepare
+
+    return prepare(publishable_state(model), "int8")
 
 
 # From this many rows up (batch × new tokens), a bf16 GEMM over the codes

@@ -1,4 +1,16 @@
-"""Building an engine from a model path: which engine, precision and device."""
+"""Building engines: the one way a published state becomes an engine.
+
+`engine_for(model, tokenizer, state, …)` puts a state as workers hold it
+(`pulse.prepare(…, precision)`: int8 codes and row scales, or bf16) into an
+engine: torch on CPU runs the int8 codes on int8 linears; on CUDA/MPS the
+codes are dequantized to float32 (exactly the published values); MLX lays
+them out in its 8-bit format. `refresh` puts a newer state into the same
+engine in place, the changed tensors only. Everything that runs a model on
+published weights uses these two: the worker, `colonnade eval` and the run's
+evaluations (`load_engine` for a model directory quantizes with the
+publisher's own `pulse.prepare`), so an evaluation runs the codes workers
+run.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +20,13 @@ import sys
 
 import torch
 
+from colonnade import pulse
 from colonnade.model import (
-    int8_state,
     load_dequantized,
     load_int8,
     load_model,
     pick_device,
+    publishable_state,
     tied_aliases,
 )
 from colonnade.model.mlx_llama import MlxUnavailable, mlx_missing
@@ -48,6 +61,46 @@ def resolve_engine(name: str) -> str:
     return "torch"
 
 
+def _load(model, state, aliases, precision: str, device: torch.device, changed=None) -> None:
+    if precision == "int8" and device.type == "cpu":
+        load_int8(model, state, aliases, changed)
+    else:
+        load_dequantized(model, state, aliases, changed)
+
+
+def engine_for(
+    model,
+    tokenizer,
+    state,
+    precision: str,
+    device: torch.device,
+    kind: str = "torch",
+    version: int = 0,
+    aliases: dict[str, str] | None = None,
+) -> Engine:
+    """An engine running `state` (a prepared state at `precision`) in `model`,
+    a float32 model of the run's architecture (modified in place on torch).
+
+    `aliases`: `tied_aliases(model)`, taken before the model was ever loaded
+    with int8 linears (a swapped model no longer shows its ties)."""
+    if kind == "mlx":
+        from .mlx_engine import MlxEngine
+
+        return MlxEngine.from_state(model, tokenizer, state, precision, version)
+    aliases = tied_aliases(model) if aliases is None else aliases
+    _load(model, state, aliases, precision, device)
+    return Engine(model.to(device).eval(), tokenizer, version=version)
+
+
+def refresh(engine: Engine, state, aliases, precision: str, changed, version: int) -> None:
+    """A newer state into `engine` in place: the `changed` keys only (None: all)."""
+    if engine.name == "mlx":
+        engine.model.load(state)  # the tensors that changed since its last load
+    else:
+        _load(engine.model, state, aliases, precision, engine.device, changed)
+    engine.version = version
+
+
 def load_engine(
     path: str,
     precision: str = "int8",
@@ -55,34 +108,18 @@ def load_engine(
     version: int = 0,
     engine: str = "torch",
 ):
-    """An engine over the model at `path`.
+    """An engine over the model directory at `path`, at `precision`.
 
-    `int8` runs the PULSE int8 codes: with torch on CPU with int8 weight-only
-    linears, on CUDA/MPS dequantized to bfloat16 (the same codes, a float
-    kernel); with MLX in its 8-bit quantized layout.
+    `int8` and `bf16` run what a trainer would publish from these weights
+    (`pulse.prepare`, the one quantizer); `fp32` runs them as they are.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if resolve_engine(engine) == "mlx":
-        return _load_mlx(path, precision, version)
-    dev = pick_device(device)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model, tok = load_model(path, dtype=dtype)
-    if precision == "int8":
-        aliases = tied_aliases(model)
-        state = int8_state(model)
-        if dev.type == "cpu":
-            load_int8(model, state, aliases)
-        else:
-            load_dequantized(model, state, aliases)
-            model.to(torch.bfloat16)
-    model.to(dev).eval()
-    return Engine(model, tok, version=version)
-
-
-def _load_mlx(path: str, precision: str, version: int):
-    from .mlx_engine import MlxEngine
-
+    kind = resolve_engine(engine)
+    dev = torch.device("cpu") if kind == "mlx" else pick_device(device)
     model, tok = load_model(path, dtype=torch.float32)
-    state = int8_state(model) if precision == "int8" else dict(model.state_dict())
-    return MlxEngine.from_state(model, tok, state, precision, version)
+    if precision == "fp32" and kind == "torch":
+        return Engine(model.to(dev).eval(), tok, version=version)
+    prepared = "exact" if precision == "fp32" else precision
+    state = pulse.prepare(publishable_state(model), prepared)
+    return engine_for(model, tok, state, precision, dev, kind, version)

@@ -28,7 +28,7 @@ import torch
 
 from colonnade.background import Background
 from colonnade.envs import load_environment
-from colonnade.model import load_dequantized, load_int8, pick_device, tied_aliases
+from colonnade.model import pick_device, tied_aliases
 from colonnade.protocol import (
     EpisodeRecord,
     Follower,
@@ -49,7 +49,7 @@ from colonnade.telemetry import Exporter, Telemetry
 
 from .engine import Engine
 from .episodes import run_episodes
-from .loader import resolve_engine
+from .loader import engine_for, refresh, resolve_engine
 from .sampling import SamplingParams
 
 log = logging.getLogger("colonnade.worker")
@@ -181,7 +181,6 @@ class Worker:
         self.aliases = tied_aliases(model)
         self.device = pick_device(self.cfg.device)
         self.model = model
-        self.mlx_model = None
         s = dict(self.spec.sampling)
         s["stop"] = tuple(s.get("stop", ()))
         self.params = SamplingParams(**s)
@@ -190,30 +189,17 @@ class Worker:
         self.started = time.time()
 
     def _load_weights(self, changed: set[str] | None = None) -> None:
-        """The follower's state into the engine: with `changed` (the state
-        keys the last sync rewrote), only those tensors."""
-        state = self.follower.state
-        if self.engine_kind == "mlx":
-            self._load_mlx(state)
-            return
+        """The follower's state into the engine: the first time built, then
+        in place, the tensors in `changed` only (the state keys the last sync
+        rewrote)."""
+        state, version = self.follower.state, self.follower.version
         if self.engine is None:
-            changed = None  # the first load converts the whole model
-        if self.spec.precision == "int8" and self.device.type == "cpu":
-            load_int8(self.model, state, self.aliases, changed)
+            self.engine = engine_for(
+                self.model, self.tok, state, self.spec.precision, self.device,
+                self.engine_kind, version, self.aliases,
+            )  # fmt: skip
         else:
-            load_dequantized(self.model, state, self.aliases, changed)
-        self.model.to(self.device)
-        self.engine = Engine(self.model, self.tok, version=self.follower.version)
-
-    def _load_mlx(self, state) -> None:
-        from colonnade.model.mlx_llama import MlxLlama
-
-        from .mlx_engine import MlxEngine
-
-        if self.mlx_model is None:
-            self.mlx_model = MlxLlama(self.model, self.aliases, self.spec.precision)
-        self.mlx_model.load(state)  # after a patch, only the changed tensors
-        self.engine = MlxEngine(self.mlx_model, self.tok, version=self.follower.version)
+            refresh(self.engine, state, self.aliases, self.spec.precision, changed, version)
 
     def engine_label(self) -> str:
         if self.engine_kind == "mlx":
