@@ -224,3 +224,28 @@ def test_fresh_workers_come_from_one_listing(tmp_path):
     store.get = lambda *a, **k: calls.append(a) or real(*a, **k)
     assert fresh_workers(store, time.time(), 60) == {"w1", "w2"}
     assert calls == []  # no heartbeat read one by one
+
+
+def test_a_follower_one_behind_reads_the_pointer_and_the_patch_only(tmp_path):
+    from colonnade.protocol import read_latest
+    from colonnade.store.counting import Counting
+
+    inner = LocalStore(tmp_path)
+    pub = Publisher(inner, "int8", anchor_every=10)
+    states = _states(3)
+    pub.publish(states[0])
+    pub.publish(states[1])
+    store = Counting(inner)
+    f = Follower(store, anchor_every=10)
+    f.sync(1)
+    pub.publish(states[2])
+    store.counts.clear()
+    latest = read_latest(store)
+    assert latest.version == 2 and not latest.done
+    assert f.sync(latest.version, known=latest.meta)
+    assert dict(store.counts) == {"get": 2}  # latest.json, then patch.pulse
+    assert f.state_hash == latest.meta.state_hash
+    pub.quarantined = 1
+    pub.point(done=True)
+    again = read_latest(inner)
+    assert again.done and again.quarantined == 1 and again.meta == latest.meta

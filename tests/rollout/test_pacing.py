@@ -8,7 +8,7 @@ import pytest
 
 from colonnade.protocol import RunSpec, keys
 from colonnade.protocol.polling import moving_gap, poll_interval
-from colonnade.protocol.schemas import dumps
+from colonnade.protocol.schemas import Latest, VersionMeta, dumps
 from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig, pace_quota
 from colonnade.store import LocalStore
 
@@ -27,8 +27,10 @@ def _batch(store, v, worker, seq):
 
 
 def _publish(store, v):
-    store.put(keys.meta_key(v), b"{}")
-    store.put(keys.LATEST, dumps({"version": v}))
+    h = "blake3:" + "0" * 64
+    meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
+    store.put(keys.meta_key(v), meta.to_json())
+    store.put(keys.LATEST, Latest(v, meta).to_json())
 
 
 def test_quota_counts_every_workers_batches_of_the_version(tmp_path):
@@ -84,9 +86,10 @@ def test_a_paced_worker_gives_up_waiting_after_pace_seconds(tmp_path):
 def test_a_stop_or_the_runs_end_ends_the_wait(tmp_path):
     w, store = _worker(tmp_path, pace_seconds=30.0)
     _publish(store, 3)
-    store.put(keys.DONE, b"{}")
-    assert w.wait_for_newer()
-    store.delete(keys.DONE)
+    latest = Latest.from_json(store.get(keys.LATEST))
+    store.put(keys.LATEST, Latest(3, latest.meta, done=True).to_json())  # the run's end
+    assert w.wait_for_newer() and w.done()
+    store.put(keys.LATEST, latest.to_json())
     w.stop.requested = True
     assert w.wait_for_newer()
 
@@ -121,3 +124,14 @@ def test_polls_follow_the_time_between_versions():
     assert poll_interval(None, 0.01) == 0.01
     assert moving_gap(None, 2.0) == 2.0
     assert moving_gap(2.0, 1.0) == pytest.approx(1.8)
+
+
+def test_a_waiting_worker_makes_one_request_a_poll(tmp_path):
+    from colonnade.store.counting import Counting
+
+    w, store = _worker(tmp_path, pace_seconds=0.5)
+    _publish(store, 3)
+    w.store = counting = Counting(store)
+    assert not w.wait_for_newer()
+    polls = counting.counts["get"]
+    assert polls >= 2 and dict(counting.counts) == {"get": polls}  # latest.json, nothing else

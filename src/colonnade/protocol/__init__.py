@@ -15,7 +15,7 @@ from .schemas import (
     decode_batch,
     encode_batch,
 )
-from .weights import Follower, Publisher, VersionError, latest_version, read_meta
+from .weights import Follower, Publisher, VersionError, latest_version, read_latest, read_meta
 
 __all__ = [
     "EpisodeRecord",
@@ -31,5 +31,6 @@ __all__ = [
     "encode_batch",
     "keys",
     "latest_version",
+    "read_latest",
     "read_meta",
 ]

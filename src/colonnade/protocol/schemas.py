@@ -153,7 +153,11 @@ class VersionMeta:
 
     @classmethod
     def from_json(cls, data: bytes) -> VersionMeta:
-        d = loads(data)
+        return cls.from_dict(loads(data))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> VersionMeta:
+        _need(isinstance(d, dict), "meta.json is not an object")
         _same_fields(cls, d, "meta.json")
         v = d["version"]
         _need(_int(v) and _int(d["anchor"], 0, v), "version/anchor")
@@ -167,6 +171,35 @@ class VersionMeta:
         _need(v > 0 or d["patch_hash"] == "", "patch_hash: empty for v0")
         _need(_num(d["created"]), "created: number")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class Latest:
+    """weights/latest.json: the newest version at a glance, rewritten by the
+    trainer after each meta.json (a pointer: meta.json stays the truth).
+
+    A worker polls this one object: it names the newest version and carries
+    its meta.json (so a follower one version behind reads this and the patch,
+    nothing else), says when the run is over, and counts the quarantine
+    decisions (a worker rereads trainer/quarantine.json when the count grows).
+    """
+
+    version: int
+    meta: VersionMeta
+    done: bool = False  # the run is over (trainer/done.json is written too)
+    quarantined: int = 0  # quarantine decisions so far
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Latest:
+        d = loads(data)
+        _same_fields(cls, d, "latest.json")
+        meta = VersionMeta.from_dict(d["meta"])
+        _need(_int(d["version"]) and meta.version == d["version"], "version: its meta's")
+        _need(isinstance(d["done"], bool) and _int(d["quarantined"]), "done/quarantined")
+        return cls(d["version"], meta, d["done"], d["quarantined"])
 
 
 @dataclass

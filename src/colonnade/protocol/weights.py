@@ -28,7 +28,7 @@ from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
-from .schemas import MAX_JSON_BYTES, SchemaError, VersionMeta, dumps, loads
+from .schemas import MAX_JSON_BYTES, Latest, SchemaError, VersionMeta
 
 State = Mapping[str, torch.Tensor]
 
@@ -54,6 +54,8 @@ class Publisher:
         self.last: dict[str, torch.Tensor] | None = None  # prepared state of `version`
         self.last_hash: str | None = None
         self.version: int | None = None
+        self.meta: VersionMeta | None = None  # of `version`, once published here
+        self.quarantined = 0  # decisions so far, announced in latest.json
 
     def adopt(self, version: int, prepared: dict[str, torch.Tensor], state_hash: str) -> None:
         """Continue after `version`, whose prepared state is already published."""
@@ -103,9 +105,19 @@ class Publisher:
             existing = read_meta(self.store, v)
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
-        self.store.put(keys.LATEST, dumps({"version": v}))
+        self.meta = meta
+        self.point()
         self.adopt(v, new, state_hash)
         return Published(meta, time.perf_counter() - t0)
+
+    def point(self, done: bool = False) -> None:
+        """Rewrite weights/latest.json for the newest version (published here,
+        or adopted on resume)."""
+        if self.meta is None and self.version is not None:
+            self.meta = read_meta(self.store, self.version)
+        if self.meta is not None:
+            latest = Latest(self.meta.version, self.meta, done, self.quarantined)
+            self.store.put(keys.LATEST, latest.to_json())
 
 
 def read_meta(store: ObjectStore, v: int) -> VersionMeta | None:
@@ -115,15 +127,20 @@ def read_meta(store: ObjectStore, v: int) -> VersionMeta | None:
         return None
 
 
-def latest_version(store: ObjectStore) -> int | None:
-    """The newest published version: the hint in latest.json, then probing forward."""
-    v = None
+def read_latest(store: ObjectStore) -> Latest | None:
+    """weights/latest.json, or None where it is missing or damaged."""
     try:
-        hint = loads(store.get(keys.LATEST, max_bytes=MAX_JSON_BYTES)).get("version")
-        if isinstance(hint, int) and store.exists(keys.meta_key(hint)):
-            v = hint
+        return Latest.from_json(store.get(keys.LATEST, max_bytes=MAX_JSON_BYTES))
     except (NotFound, SchemaError):
-        pass
+        return None
+
+
+def latest_version(store: ObjectStore) -> int | None:
+    """The newest published version, for certain: the pointer in latest.json,
+    then probing forward (a pointer write can fail after its meta.json).
+    Workers poll `read_latest` alone, one request."""
+    latest = read_latest(store)
+    v = latest.version if latest is not None else None
     if v is None:
         found = [k for k in store.list("weights/") if k.endswith("/meta.json")]
         if not found:
@@ -189,8 +206,11 @@ class Follower:
         self.state_hash: str | None = None
         self.bytes_read = 0
         self.anchors_read = 0  # a follower that keeps up reads none after its first
+        self._known: VersionMeta | None = None
 
     def _meta(self, v: int) -> VersionMeta:
+        if self._known is not None and self._known.version == v:
+            return self._known
         try:
             meta = read_meta(self.store, v)
         except SchemaError as e:
@@ -229,11 +249,15 @@ class Follower:
             self.bytes_read += meta.patch_bytes
             self.version, self.state_hash = meta.version, meta.state_hash
 
-    def sync(self, target: int | None = None) -> bool:
-        """Move to `target` (default: the newest version); True if the state changed."""
+    def sync(self, target: int | None = None, known: VersionMeta | None = None) -> bool:
+        """Move to `target` (default: the newest version); True if the state changed.
+
+        `known`: a meta.json already read (latest.json carries the newest), so
+        a follower one version behind reads the patch and nothing else."""
         target = latest_version(self.store) if target is None else target
         if target is None or target == self.version:
             return False
+        self._known = known
         meta = self._meta(target)
         behind = None if self.version is None else target - self.version
         if behind is None or behind < 0 or behind > self.anchor_every:

@@ -38,7 +38,7 @@ from colonnade.protocol import (
     VersionError,
     encode_batch,
     keys,
-    latest_version,
+    read_latest,
 )
 from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, dumps, loads
@@ -53,6 +53,9 @@ from .loader import engine_for, refresh, resolve_engine
 from .sampling import SamplingParams
 
 log = logging.getLogger("colonnade.worker")
+# A heartbeat at most this often (and with the first batch): the trainer
+# counts workers alive over `heartbeat_timeout` (60 s).
+HEARTBEAT_SECONDS = 20.0
 
 
 @dataclass
@@ -168,6 +171,9 @@ class Worker:
         self.prefetch = Background("fetch")  # the follower's next sync, while generating
         self._fetched: tuple[set[str] | None, float] | None = None  # (changed keys, seconds)
         self._bytes_counted = 0
+        self.pointer = None  # the last latest.json read: newest version, done, quarantine count
+        self._quarantined_seen = 0
+        self._beat = 0.0  # when the last heartbeat went up
 
     def setup(self) -> None:
         self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
@@ -211,6 +217,13 @@ class Worker:
         """The version the engine generates with (None before the first)."""
         return self.engine.version if self.engine is not None else self.follower.version
 
+    def _poll(self):
+        """weights/latest.json: the one request a waiting worker makes."""
+        latest = read_latest(self.store)
+        if latest is not None:
+            self.pointer = latest
+        return latest
+
     def _fetch(self) -> None:
         """Move the follower to the newest version: download, patch, hash check.
         Runs in the background (but for the first version) while the engine
@@ -219,7 +232,10 @@ class Worker:
         ones the engine must load."""
         held = self.follower.state
         t0 = time.perf_counter()
-        if self.follower.sync():
+        latest = self._poll()
+        if latest is None:
+            return
+        if self.follower.sync(latest.version, known=latest.meta):
             new = self.follower.state
             changed = None if held is None else {k for k, t in new.items() if held.get(k) is not t}
             self._fetched = (changed, time.perf_counter() - t0)
@@ -251,7 +267,9 @@ class Worker:
         self.pending_time["apply_seconds"] += apply_seconds
         self.pending_time["load_seconds"] += load
         self.pending_time["sync_seconds"] += apply_seconds + load
-        self.refused = self.read_quarantine()
+        if self.pointer is not None and self.pointer.quarantined > self._quarantined_seen:
+            self.refused = self.read_quarantine()
+            self._quarantined_seen = self.pointer.quarantined
         now = time.monotonic()
         if before is not None and self.running_version == before + 1:
             self.version_gap = moving_gap(self.version_gap, now - self._synced_at)
@@ -313,9 +331,11 @@ class Worker:
             "started": self.started,
         }
         self.store.put(keys.worker_key(self.id), dumps(doc))
+        self._beat = time.monotonic()
 
     def done(self) -> bool:
-        return self.store.exists(keys.DONE)
+        """The run is over: latest.json says so (polled with each fetch)."""
+        return self.pointer is not None and self.pointer.done
 
     def read_quarantine(self) -> set[str]:
         """The workers the trainer refuses; raises Quarantined if this is one."""
@@ -352,7 +372,8 @@ class Worker:
         try:
             while time.monotonic() - t0 < self.cfg.pace_seconds:
                 time.sleep(delay)
-                if self.stop.requested or self.done() or (latest_version(self.store) or 0) > v:
+                latest = self._poll()
+                if self.stop.requested or self.done() or (latest and latest.version > v):
                     return True
             return False
         finally:
@@ -371,11 +392,12 @@ class Worker:
         self.batches += 1
         seconds = time.perf_counter() - t0
         log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
-        self.heartbeat()
+        if time.monotonic() - self._beat >= HEARTBEAT_SECONDS or self.batches == 1:
+            self.heartbeat()
         self.record(batch, seconds)
 
     def record(self, batch: RolloutBatch, seconds: float) -> None:
-        newest = latest_version(self.store)
+        newest = self.pointer.version if self.pointer is not None else None
         eps = [e for g in batch.groups for e in g.episodes]
         row = dict(
             version=batch.version,
@@ -402,6 +424,11 @@ class Worker:
                 self.prefetch.close()
             except (StoreError, VersionError) as e:  # a fetch nobody will use any more
                 log.warning("the last background fetch failed: %s", e)
+            if self.batches:
+                try:
+                    self.heartbeat()  # the last word: version and batches as they ended
+                except StoreError as e:
+                    log.warning("last heartbeat not written: %s", e)
             self.telemetry.flush()
         log.info("worker %s: %d batches uploaded", self.id, self.batches)
         return 0

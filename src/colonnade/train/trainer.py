@@ -332,6 +332,7 @@ class Trainer:
         self._restore_counts()
         self.quarantine.decisions = self._read_quarantine()
         self.collector.quarantined = set(self.quarantine.decisions)
+        self.publisher.quarantined = len(self.quarantine.decisions)
         if self.spec.signed and not self.cfg.worker_keys:
             raise RunConflict("this run requires signed batches: pass --worker-keys")
         self._load_keys()
@@ -484,6 +485,8 @@ class Trainer:
         if self.quarantine.judge(v + 1, metrics.pop("gate_by_version")):
             self.collector.quarantined = set(self.quarantine.decisions)
             self._retry("quarantine", self._write_quarantine, deadline)
+            # Announced by the next latest.json, written after quarantine.json.
+            self.publisher.quarantined = len(self.quarantine.decisions)
         blocked = self.background.wait()
         step_seconds = time.monotonic() - t0
         self.collector.version_gap = moving_gap(self.collector.version_gap, step_seconds)
@@ -570,5 +573,6 @@ class Trainer:
             self.step()
         self.background.wait()
         self.store.put(keys.DONE, dumps({"version": self.version, "time": time.time()}))
+        self.publisher.point(done=True)  # what workers poll
         self._command(Command.DONE)
         log.info("done: published v%d", self.version)
