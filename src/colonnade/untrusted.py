@@ -37,6 +37,33 @@ def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
         raise ValueError(f"zstd frame declares {declared} bytes, too many to allocate") from None
 
 
+def zstd_frame_size(data: bytes) -> int:
+    """The bytes the zstd frame at the start of `data` takes (header, blocks,
+    checksum), from its block headers alone; ValueError for what is not a
+    whole frame. zstandard decompresses the first frame and ignores whatever
+    follows it, so a reader that wants no trailing bytes compares this with
+    the length."""
+    try:
+        at = zstandard.frame_header_size(data)
+        checksum = zstandard.get_frame_parameters(data).has_checksum
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd: {e}") from None
+    while True:
+        if at + 3 > len(data):
+            raise ValueError("zstd: truncated frame")
+        head = int.from_bytes(data[at : at + 3], "little")
+        last, kind, size = head & 1, (head >> 1) & 3, head >> 3
+        if kind == 3:
+            raise ValueError("zstd: reserved block type")
+        at += 3 + (1 if kind == 1 else size)  # an RLE block holds one byte
+        if last:
+            break
+    at += 4 if checksum else 0
+    if at > len(data):
+        raise ValueError("zstd: truncated frame")
+    return at
+
+
 def json_depth(data: bytes) -> int:
     """The deepest nesting of [ and { outside strings in a JSON text.
 

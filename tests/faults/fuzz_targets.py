@@ -12,8 +12,9 @@ are framed first: the first byte picks a mode. For patches, 0 is raw bytes;
 1, 2 and 3 reseal (valid checksums) a fuzzed header text and payload, the
 valid header over a damaged payload, or the valid header with a few fields
 edited to other legal values, so mutations reach the header schema and the
-block decoders. For batches, 0 is raw bytes, 1 zstd-wrapped JSON text, 2 a
-signed envelope. CORPUS_DIR is seeded with valid inputs of every mode.
+block decoders. For batches, 0 is raw bytes, 1 zstd-wrapped safetensors
+bytes (header and tensors), 2 a signed envelope. CORPUS_DIR is seeded with
+valid inputs of every mode.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ with atheris.instrument_imports(
     from colonnade.pulse.tensors import DTYPES
 
 VOCAB, MAX_TOKENS = 64, 32
-ROLLOUT_KEY = "rollouts/00000000/w1/000000.json.zst"
+ROLLOUT_KEY = "rollouts/00000000/w1/000000.safetensors.zst"
 
 
 # -- patch -------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ KEYRING = {"w1": PRIVATE.public_key()}
 
 
 def batch_input(data: bytes) -> bytes:
-    """The bytes the trainer reads, per mode: raw, JSON text zstd-wrapped, or signed."""
+    """The bytes the trainer reads, per mode: raw, safetensors zstd-wrapped, or signed."""
     if not data:
         return b""
     mode, rest = data[0] % 3, data[1:]
@@ -210,13 +211,15 @@ def fuzz_batch(data: bytes) -> None:
 
 
 def batch_seeds() -> list[bytes]:
-    text = zstandard.ZstdDecompressor().decompress(VALID_BATCH)
-    doc = json.loads(text)
-    doc["groups"][0]["episodes"][0]["finish"] = "length"
+    raw = zstandard.ZstdDecompressor().decompress(VALID_BATCH)
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    head["__metadata__"]["colonnade"] = head["__metadata__"]["colonnade"].replace("done", "length")
+    text = json.dumps(head).encode()
     return [
         b"\0" + VALID_BATCH,
-        b"\1" + text,
-        b"\1" + json.dumps(doc).encode(),
+        b"\1" + raw,
+        b"\1" + len(text).to_bytes(8, "little") + text + raw[8 + n :],
         b"\2" + sign(PRIVATE, ROLLOUT_KEY, VALID_BATCH),
     ]
 

@@ -6,15 +6,23 @@ exception. Time-boxed by hypothesis's example counts.
 """
 
 import contextlib
-import json
+import math
 
+import numpy as np
 import pytest
-import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batch_forge import DTYPES, compress, forge, raw_bytes, split
 from colonnade.envs import load_environment
-from colonnade.protocol import EpisodeRecord, GroupRecord, SchemaError, decode_batch, keys
+from colonnade.protocol import (
+    EpisodeRecord,
+    GroupRecord,
+    RolloutBatch,
+    SchemaError,
+    decode_batch,
+    keys,
+)
 from colonnade.protocol.signing import SignatureRejected, verify
 from colonnade.train.samples import Rejected, rebuild_group
 
@@ -29,11 +37,10 @@ json_values = st.recursive(
 )  # fmt: skip
 
 
-def _valid_doc() -> dict:
-    ep = {"tokens": [1, 2, 3], "from_model": [True, True, False], "logprobs": [-0.1, -0.2, 0.0],
-          "finish": "done"}  # fmt: skip
-    return {"worker": "w1", "version": 0, "seq": 0, "stats": {},
-            "groups": [{"task_id": "s1", "episodes": [ep, ep]}]}  # fmt: skip
+def _valid() -> tuple[dict, dict]:
+    ep = EpisodeRecord([1, 2, 3], [True, True, False], [-0.1, -0.2, 0.0], "done")
+    _, fields, tensors = split(RolloutBatch("w1", 0, 0, [GroupRecord("s1", [ep, ep])]))
+    return fields, dict(tensors)
 
 
 def _decode(data: bytes):
@@ -41,6 +48,17 @@ def _decode(data: bytes):
         return decode_batch(data, VOCAB, 32)
     except SchemaError:
         return None
+
+
+def _within_bounds(batch) -> None:
+    if batch is None:
+        return
+    for g in batch.groups:  # whatever passes is within bounds
+        for e in g.episodes:
+            assert all(isinstance(t, int) and 0 <= t < VOCAB for t in e.tokens)
+            assert all(math.isfinite(lp) and -1e4 <= lp <= 0 for lp in e.logprobs)
+            assert len(e.tokens) == len(e.from_model) == len(e.logprobs) <= 32
+            assert e.from_model[0] is True
 
 
 @pytest.mark.parametrize("declared", [1 << 61, (64 << 20) + 1, 4 << 30])
@@ -56,37 +74,54 @@ def test_a_frame_declaring_a_huge_size_is_refused_before_decompressing(declared)
 @FAST
 @given(st.binary(max_size=2048))
 def test_random_bytes(data):
-    _decode(data)
-    _decode(zstandard.ZstdCompressor().compress(data))
+    _within_bounds(_decode(data))
+    _within_bounds(_decode(compress(data)))
+    # behind a header that announces them truthfully
+    _within_bounds(_decode(compress(len(data).to_bytes(8, "little") + data)))
 
 
 @FAST
-@given(st.lists(st.tuples(st.sampled_from(["worker", "version", "seq", "stats", "groups",
-                                            "tokens", "from_model", "logprobs", "finish",
-                                            "task_id", "episodes", "extra"]),
+@given(st.lists(st.tuples(st.sampled_from(["protocol", "worker", "version", "seq", "stats",
+                                            "engine", "groups", "task_id", "finish", "extra"]),
                           json_values), min_size=1, max_size=4))  # fmt: skip
 def test_mutated_fields(mutations):
-    doc = _valid_doc()
-    depth = {"tokens": 0, "from_model": 0, "logprobs": 0, "finish": 0, "task_id": 1, "episodes": 1}
+    fields, tensors = _valid()
     # Deepest first, so a replaced parent does not hide where its children were.
-    for field, value in sorted(mutations, key=lambda m: depth.get(m[0], 2)):
-        target = doc
-        if field in ("tokens", "from_model", "logprobs", "finish"):
-            target = doc["groups"][0]["episodes"][0]
-        elif field in ("task_id", "episodes"):
-            target = doc["groups"][0]
-        target[field] = value
+    for field, value in sorted(mutations, key=lambda m: m[0] not in ("task_id", "finish")):
+        target = fields["groups"][0] if field in ("task_id", "finish") else fields
+        if isinstance(target, dict):
+            target[field] = value
     try:
-        raw = json.dumps(doc).encode()
+        data = forge(fields, tensors)
     except ValueError:  # NaN and friends: the encoder refuses, as a worker's would
         return
-    batch = _decode(zstandard.ZstdCompressor().compress(raw))
-    if batch is not None:  # whatever passes is within bounds
-        for g in batch.groups:
-            for e in g.episodes:
-                assert all(0 <= t < VOCAB for t in e.tokens)
-                assert all(lp <= 0 for lp in e.logprobs)
-                assert len(e.tokens) == len(e.from_model) == len(e.logprobs) <= 32
+    _within_bounds(_decode(data))
+
+
+DTYPE_NAMES = sorted(DTYPES)
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["tokens", "logprobs", "from_model", "lengths"]),
+                          st.sampled_from(DTYPE_NAMES), st.binary(max_size=96)),
+                min_size=1, max_size=4))  # fmt: skip
+def test_mutated_tensors(mutations):
+    """Any dtype, any length, any bits (NaN, negative ids, masks of 7) in any tensor."""
+    fields, tensors = _valid()
+    for name, dtype, bits in mutations:
+        dt = np.dtype(DTYPES[dtype])
+        tensors[name] = np.frombuffer(bits[: len(bits) // dt.itemsize * dt.itemsize], dt)
+    _within_bounds(_decode(forge(fields, tensors)))
+
+
+@FAST
+@given(st.integers(0, 2**64 - 1), st.binary(max_size=64), st.integers(0, 600))
+def test_lying_header_sizes_and_cut_bytes(size, tail, cut):
+    fields, tensors = _valid()
+    raw = raw_bytes(fields, tensors)
+    _within_bounds(_decode(compress(size.to_bytes(8, "little") + raw[8:])))
+    _within_bounds(_decode(compress(raw[:cut])))
+    _within_bounds(_decode(compress(raw + tail)))
 
 
 @FAST

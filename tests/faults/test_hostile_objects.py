@@ -1,9 +1,11 @@
 """What a hostile worker can put in the store, against the real collector and stores.
 
 Each case an attacker tried: JSON nested to blow the stack, things that are
-not files, objects far larger than a batch, zstd that inflates past what
-the run asks, copying an honest worker's payload first, replaying trained
-episodes re-encoded, keys with a newline or non-ASCII digits. The trainer's
+not files, binary batches that lie (dtypes, shapes, lengths, NaN, huge or
+nested headers, trailing bytes, another protocol), objects far larger than a
+batch, zstd that inflates past what the run asks, copying an honest worker's
+payload first, replaying trained episodes re-encoded, keys with a newline or
+non-ASCII digits. The trainer's
 collector rejects each (counted under a reason) and goes on to the honest
 batch beside it; the local store never hangs, never reads past its bound
 and never writes outside its root.
@@ -15,11 +17,13 @@ import socket
 import tempfile
 import threading
 
+import numpy as np
 import pytest
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batch_forge import compress, forge, raw_bytes, split
 from colonnade.protocol import EpisodeRecord, GroupRecord, RolloutBatch, encode_batch, keys
 from colonnade.protocol.presence import worker_heartbeats
 from colonnade.protocol.schemas import SchemaError, loads
@@ -174,15 +178,83 @@ def test_a_symlinked_folder_cannot_lead_writes_or_reads_outside(tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "honest").mkdir()
-    (outside / "honest" / "000001.json.zst").write_bytes(b"outside")
+    (outside / "honest" / f"000001{keys.ROLLOUT_EXT}").write_bytes(b"outside")
     (store.root / "rollouts").mkdir()
     os.symlink(outside, store.root / "rollouts" / "00000000")
     with pytest.raises(InvalidObject, match="out of the store"):
         store.put_if_absent(keys.rollout_key(0, "honest", 0), b"batch")
     with pytest.raises(InvalidObject):
         store.get(keys.rollout_key(0, "honest", 1))
-    assert not (outside / "honest" / "000000.json.zst").exists()
+    assert not (outside / "honest" / f"000000{keys.ROLLOUT_EXT}").exists()
     assert store.list("rollouts/") == []  # a symlinked folder is not walked
+
+
+# -- 2b. hostile binary batches ------------------------------------------------------------
+
+
+def _parts():
+    _, fields, tensors = split(_batch("attacker"))
+    return fields, dict(tensors)
+
+
+def _hostile_batches() -> dict[str, tuple[bytes, str]]:
+    """name -> (object bytes, the reason the collector counts it under)."""
+    fields, t = _parts()
+    raw = raw_bytes(fields, t)
+    n = int.from_bytes(raw[:8], "little")
+    lp64 = t["logprobs"].astype("<f8")
+    past = {"dtype": "I32", "shape": [4096], "data_offsets": [0, 16]}
+    json_batch = {"worker": "attacker", "version": 0, "seq": 0, "stats": {}, "engine": "torch",
+                  "groups": [{"task_id": "t1", "episodes": []}]}  # fmt: skip
+    return {
+        "ids as int64": (forge(fields, {**t, "tokens": t["tokens"].astype("<i8")}), "schema"),
+        "ids as float32": (forge(fields, {**t, "tokens": t["tokens"].astype("<f4")}), "schema"),
+        "ids 2-D": (forge(fields, {**t, "tokens": t["tokens"].reshape(2, 2)}), "schema"),
+        "id past the vocabulary": (forge(fields, {**t, "tokens": t["tokens"] + 10}), "schema"),
+        "negative id": (forge(fields, {**t, "tokens": t["tokens"] - 5}), "schema"),
+        "NaN log-prob": (forge(fields, {**t, "logprobs": t["logprobs"] * np.nan}), "schema"),
+        "positive log-prob": (forge(fields, {**t, "logprobs": -t["logprobs"]}), "schema"),
+        "log-probs as float64": (forge(fields, {**t, "logprobs": lp64}), "schema"),
+        "mask of 2": (forge(fields, {**t, "from_model": t["from_model"] * 2}), "schema"),
+        "lengths that disagree": (forge(fields, {**t, "lengths": t["lengths"] + 1}), "schema"),
+        "a length per token": (forge(fields, {**t, "lengths": np.ones(4, "<i4")}), "schema"),
+        "shape past its data": (forge(fields, t, head={"tokens": past}), "schema"),
+        "trailing data": (compress(raw + b"\0" * 64), "schema"),
+        "bytes after the frame": (encode_batch(_batch("attacker")) + b"tail", "schema"),
+        "huge header": (compress((1 << 62).to_bytes(8, "little") + raw[8:]), "schema"),
+        "nested header": (compress(len(DEEP).to_bytes(8, "little") + DEEP), "schema"),
+        "nested metadata": (forge({"x": _nested(1, 200)}, t), "schema"),
+        "a pickle": (compress(b"\x80\x04\x95" + raw), "schema"),
+        "header cut short": (compress(raw[: 8 + n // 2]), "schema"),
+        "protocol 4": (forge({**fields, "protocol": 4}, t), "protocol"),
+        "a JSON batch (protocol 2)": (compress(json.dumps(json_batch).encode()), "protocol"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_hostile_batches()))
+def test_hostile_binary_batches_are_rejected_and_the_honest_one_taken(tmp_path, name):
+    data, reason = _hostile_batches()[name]
+    store = LocalStore(tmp_path)
+    store.put(keys.rollout_key(0, "attacker", 0), data)
+    honest = _honest(store)
+    c = _collector(store)
+    got = _in_time(lambda: c.collect(0, need=1, timeout=1))
+    assert got.keys == [honest] and len(got.groups) == 1
+    assert got.rejected == [keys.rollout_key(0, "attacker", 0)]
+    assert c.counts[f"rejected_{reason}"] == 1 and c.counts["batches_rejected"] == 1
+    assert c.per_worker["attacker"]["batches_rejected"] == 1
+
+
+def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
+    store = LocalStore(tmp_path)
+    fields, t = _parts()
+    store.put(keys.rollout_key(0, "attacker", 0), forge({**fields, "protocol": 2}, t))
+    c = _collector(store)
+    with caplog.at_level("WARNING", logger="colonnade.trainer"):
+        c.collect(0, need=1, timeout=0.2)
+    (line,) = [r.getMessage() for r in caplog.records if "rejected batch" in r.getMessage()]
+    assert "(protocol)" in line and "speaks protocol 2; this colonnade speaks 3" in line
+    assert "\n" not in line
 
 
 # -- 3. bounded reads ------------------------------------------------------------------------
@@ -228,11 +300,14 @@ def test_trained_episodes_re_encoded_under_another_name_are_a_replay(tmp_path, m
     c = _collector(store)
     first = c.collect(0, need=1, timeout=1)
     assert len(first.groups) == 1 and len(first.digests) == 1
-    # The same episodes, other key order and compression, another name and seq.
-    stolen = json.loads(zstandard.ZstdDecompressor().decompress(encode_batch(_batch("honest"))))
-    stolen.update(worker="thief", seq=7)
-    body = json.dumps(dict(reversed(list(stolen.items())))).encode()
-    store.put(keys.rollout_key(0, "thief", 7), zstandard.ZstdCompressor(level=3).compress(body))
+    # The same episodes, other tensor order, metadata and compression, another
+    # name and seq, other log-probs.
+    _, fields, tensors = split(_batch("honest"))
+    fields.update(worker="thief", seq=7, stats={"reward_claimed": 1.0})
+    tensors = dict(reversed(list(tensors.items())))
+    tensors["logprobs"] = tensors["logprobs"] * 0.5
+    body = raw_bytes(dict(reversed(list(fields.items()))), tensors)
+    store.put(keys.rollout_key(0, "thief", 7), zstandard.ZstdCompressor(level=12).compress(body))
     again = c.collect(0, need=1, timeout=0.3)
     assert again.groups == [] and c.counts["rejected_replay"] == 1
     # A restarted trainer knows them from the ledger's digests.
@@ -262,15 +337,18 @@ def test_two_signed_workers_sending_the_same_episodes_the_first_wins(tmp_path):
 @pytest.mark.parametrize(
     "key",
     [
-        "rollouts/00000000/w1/000000.json.zst\n",
-        "rollouts/٠٠٠٠٠٠٠٠/w1/000000.json.zst",
-        "rollouts/00000000/w1/٠٠٠٠٠٠.json.zst",
-        "rollouts/00000000/w1\n/000000.json.zst",
-        "rollouts/00000000/" + "w" * 65 + "/000000.json.zst",
+        "rollouts/00000000/w1/000000.safetensors.zst\n",
+        "rollouts/٠٠٠٠٠٠٠٠/w1/000000.safetensors.zst",
+        "rollouts/00000000/w1/٠٠٠٠٠٠.safetensors.zst",
+        "rollouts/00000000/w1\n/000000.safetensors.zst",
+        "rollouts/00000000/" + "w" * 65 + "/000000.safetensors.zst",
+        "rollouts/00000000/w1/000000.safetensors",
+        "rollouts/00000000/w1/000000.json.zst",  # protocol 2's
     ],
 )
 def test_key_patterns_are_strict(key):
     assert keys.parse_rollout_key(key) is None
+    assert keys.parse_rollout_key(keys.rollout_key(0, "w1", 0)) == (0, "w1", 0)
 
 
 def test_worker_ids_are_strict():

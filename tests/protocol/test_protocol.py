@@ -1,16 +1,19 @@
-"""Protocol v1: keys, schemas of untrusted batches, publishing and following versions."""
+"""The protocol: keys, schemas of untrusted batches, publishing and following versions."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import zstandard
 
+from batch_forge import compress, forge, raw_bytes, split
 from colonnade import pulse
 from colonnade.protocol import (
     EpisodeRecord,
     Follower,
     GroupRecord,
+    ProtocolMismatch,
     Publisher,
     RolloutBatch,
     RunSpec,
@@ -22,63 +25,239 @@ from colonnade.protocol import (
     latest_version,
     read_meta,
 )
+from colonnade.protocol.schemas import batch_bytes_bound, content_digest, pack_batch
 from colonnade.store import LocalStore
 
 
 def test_keys_round_trip_and_reject_bad_worker_ids():
     k = keys.rollout_key(12, "laptop-1", 7)
-    assert k == "rollouts/00000012/laptop-1/000007.json.zst"
+    assert k == "rollouts/00000012/laptop-1/000007.safetensors.zst"
     assert keys.parse_rollout_key(k) == (12, "laptop-1", 7)
     assert keys.parse_rollout_key("rollouts/00000012/laptop-1/000007.pkl") is None
+    # protocol 2's JSON batches are not rollouts of this protocol
+    assert keys.parse_rollout_key("rollouts/00000012/laptop-1/000007.json.zst") is None
     for bad in ("", "../x", "a/b", "-x", "x" * 65):
         with pytest.raises(ValueError):
             keys.worker_key(bad)
 
 
+def _ep(tokens=(5, 6, 7, 8), mask=(1, 1, 0, 1), lps=(-0.5, -1.0, 0.0, -0.25), finish="done"):
+    return EpisodeRecord(list(tokens), [bool(m) for m in mask], list(lps), finish)
+
+
 def _batch(**kw):
-    ep = EpisodeRecord([5, 6, 7, 8], [True, True, False, True], [-0.5, -1.0, 0.0, -0.1], "done")
+    ep = _ep()
     return RolloutBatch("w1", 3, 0, [GroupRecord("q1", [ep, ep])], {"reward": 0.5}, **kw)
 
 
 def test_batch_round_trip():
     got = decode_batch(encode_batch(_batch()), vocab=100, max_tokens=16)
     assert got == _batch()
+    assert isinstance(got.groups[0].episodes[0].tokens[0], int)
+    assert isinstance(got.groups[0].episodes[0].from_model[0], bool)
+    many = RolloutBatch("w-2.x", 9, 4, [GroupRecord(f"t{i}", [_ep(range(i + 1), [1] * (i + 1),
+                        [-0.125] * (i + 1), "eos")] * 3) for i in range(5)], {}, "mlx")  # fmt: skip
+    assert decode_batch(encode_batch(many), vocab=100, max_tokens=16) == many
 
 
-def test_the_engine_field_travels_and_old_batches_read_as_torch():
+def test_the_engine_field_travels():
     got = decode_batch(encode_batch(_batch(engine="mlx")), vocab=100, max_tokens=16)
     assert got.engine == "mlx" and got == _batch(engine="mlx")
-    old = decode_batch(_raw(lambda d: d.pop("engine")), vocab=100, max_tokens=16)
-    assert old.engine == "torch"
 
 
-def _raw(doc_edit):
-    import json
+def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
+    from safetensors.numpy import load
 
-    doc = json.loads(zstandard.ZstdDecompressor().decompress(encode_batch(_batch())))
-    doc_edit(doc)
-    return zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    raw = zstandard.ZstdDecompressor().decompress(encode_batch(_batch()))
+    tensors = load(raw)
+    assert {k: (v.dtype.str, v.shape) for k, v in tensors.items()} == {
+        "tokens": ("<i4", (8,)),
+        "logprobs": ("<f4", (8,)),
+        "from_model": ("|u1", (8,)),
+        "lengths": ("<i4", (2,)),
+    }
+    _, fields, _ = split(_batch())
+    assert fields == {"protocol": 3, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
+                      "stats": {"reward": 0.5},
+                      "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
+
+
+def test_logprobs_travel_as_float32():
+    batch = _batch()
+    batch.groups[0].episodes[0] = _ep(lps=(-0.1, -1 / 3, 0.0, -1e-50))
+    got = decode_batch(encode_batch(batch), vocab=100, max_tokens=16).groups[0].episodes[0]
+    assert got.logprobs == [float(np.float32(x)) for x in (-0.1, -1 / 3, 0.0, -1e-50)]
+    # what the torch engine records is a float32 already: it travels exactly
+    exact = [float(x) for x in np.float32([-0.1, -2.5e-3, -7.0, 0.0])]
+    batch.groups[0].episodes[0] = _ep(lps=exact)
+    got = decode_batch(encode_batch(batch), vocab=100, max_tokens=16).groups[0].episodes[0]
+    assert got.logprobs == exact
+
+
+# sha256 of the content before protocol 3 (JSON): the digest is the content's, not the bytes'.
+DIGEST = "160737a22379343ffb5f06a3bbeff25e6f4f42dd919e9163bcda91662354f2b7"
+
+
+def test_content_digest_does_not_depend_on_the_encoding():
+    batch = _batch()
+    batch.groups[0].episodes[0] = _ep(lps=(-0.5, -1.0, 0.0, -0.1))  # -0.1: not a float32
+    assert content_digest(batch.groups[0], 3) == DIGEST
+    got = decode_batch(encode_batch(batch), vocab=100, max_tokens=16)
+    assert content_digest(got.groups[0], 3) == DIGEST
+    # other tensor order, other compression, other log-probs: the same content
+    _, fields, tensors = split(batch)
+    reordered = dict(reversed(list(tensors.items())))
+    reordered["logprobs"] = np.full(8, -2.0, np.float32)
+    again = decode_batch(
+        zstandard.ZstdCompressor(level=19).compress(raw_bytes(fields, reordered)), 100, 16
+    )
+    assert content_digest(again.groups[0], 3) == DIGEST
+    assert content_digest(again.groups[0], 4) != DIGEST
+
+
+def _fields(edit):
+    def apply(fields, tensors):
+        edit(fields)
+
+    return apply
+
+
+def _tensor(name, fn):
+    def apply(fields, tensors):
+        tensors[name] = fn(tensors[name].copy())
+
+    return apply
+
+
+def _set(a, i, v):
+    a[i] = v
+    return a
 
 
 @pytest.mark.parametrize(
     "edit, why",
     [
-        (lambda d: d["groups"][0]["episodes"][0]["tokens"].__setitem__(0, 100), "vocabulary"),
-        (lambda d: d["groups"][0]["episodes"][0]["tokens"].append(1), "as long as"),
-        (lambda d: d["groups"][0]["episodes"][0]["logprobs"].__setitem__(0, 0.5), "logprobs"),
-        (lambda d: d["groups"][0]["episodes"][0].__setitem__("finish", "x"), "finish"),
-        (lambda d: d["groups"][0]["episodes"][0].__setitem__("from_model", "0101"), "starts"),
-        (lambda d: d.__setitem__("worker", "../etc"), "worker"),
-        (lambda d: d.__setitem__("groups", []), "groups"),
-        (lambda d: d.__setitem__("extra", 1), "fields"),
-        (lambda d: d["groups"][0]["episodes"][0]["tokens"].__setitem__(0, True), "vocabulary"),
-        (lambda d: d.__setitem__("engine", "MLX; rm -rf"), "engine"),
-        (lambda d: d.__setitem__("engine", 7), "engine"),
+        (_tensor("tokens", lambda a: _set(a, 0, 100)), "vocabulary"),
+        (_tensor("tokens", lambda a: _set(a, 0, -1)), "vocabulary"),
+        (_tensor("tokens", lambda a: np.append(a, 1).astype("<i4")), "as long as tokens"),
+        (_tensor("tokens", lambda a: a.astype("<i8")), "tokens: dtype I32"),
+        (_tensor("tokens", lambda a: a.astype("<f4")), "tokens: dtype I32"),
+        (_tensor("tokens", lambda a: a.reshape(2, 4)), "tokens: one dimension"),
+        (_tensor("logprobs", lambda a: _set(a, 0, 0.5)), "logprobs: finite"),
+        (_tensor("logprobs", lambda a: _set(a, 1, np.nan)), "logprobs: finite"),
+        (_tensor("logprobs", lambda a: _set(a, 1, -np.inf)), "logprobs: finite"),
+        (_tensor("logprobs", lambda a: _set(a, 1, -1e5)), "logprobs: finite"),
+        (_tensor("logprobs", lambda a: a.astype("<f8")), "logprobs: dtype F32"),
+        (_tensor("logprobs", lambda a: a[:-1]), "as long as tokens"),
+        (_tensor("from_model", lambda a: _set(a, 0, 0)), "starts with a model token"),
+        (_tensor("from_model", lambda a: _set(a, 4, 0)), "starts with a model token"),
+        (_tensor("from_model", lambda a: _set(a, 2, 2)), "from_model: 0 or 1"),
+        (_tensor("from_model", lambda a: a.astype(bool)), "from_model: dtype U8"),
+        (_tensor("lengths", lambda a: np.array([17, -9], "<i4")), "episode length"),
+        (_tensor("lengths", lambda a: np.array([3, 3], "<i4")), "do not add up"),
+        (_tensor("lengths", lambda a: np.array([0, 8], "<i4")), "episode length"),
+        (_tensor("lengths", lambda a: np.array([-4, 12], "<i4")), "episode length"),
+        (_tensor("lengths", lambda a: np.array([8], "<i4")), "one per episode"),
+        (_fields(lambda d: d["groups"][0]["finish"].__setitem__(0, "x")), "finish"),
+        (_fields(lambda d: d["groups"][0]["finish"].append("done")), "one per episode"),
+        (_fields(lambda d: d["groups"][0].__setitem__("finish", [])), "finish"),
+        (_fields(lambda d: d["groups"][0].__setitem__("task_id", "t" * 257)), "task_id"),
+        (_fields(lambda d: d["groups"][0].__setitem__("extra", 1)), "group fields"),
+        (_fields(lambda d: d.__setitem__("worker", "../etc")), "worker"),
+        (_fields(lambda d: d.__setitem__("worker", 7)), "worker"),
+        (_fields(lambda d: d.__setitem__("version", -1)), "version"),
+        (_fields(lambda d: d.__setitem__("seq", True)), "version/seq"),
+        (_fields(lambda d: d.__setitem__("stats", {"r": "high"})), "stats"),
+        (_fields(lambda d: d.__setitem__("groups", [])), "groups"),
+        (_fields(lambda d: d.__setitem__("extra", 1)), "fields"),
+        (_fields(lambda d: d.pop("engine")), "fields"),
+        (_fields(lambda d: d.pop("protocol")), "no protocol"),
+        (_fields(lambda d: d.__setitem__("engine", "MLX; rm -rf")), "engine"),
+        (_fields(lambda d: d.__setitem__("engine", 7)), "engine"),
     ],
 )
 def test_bad_batches_are_rejected_with_a_reason(edit, why):
+    _, fields, tensors = split(_batch())
+    tensors = dict(tensors)
+    edit(fields, tensors)
     with pytest.raises(SchemaError, match=why):
-        decode_batch(_raw(edit), vocab=100, max_tokens=16)
+        decode_batch(forge(fields, tensors), vocab=100, max_tokens=16)
+
+
+def _entry(dtype, shape, offsets):
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+@pytest.mark.parametrize(
+    "head, trailing, why",
+    [
+        ({"tokens": _entry("I32", [9], [0, 32])}, b"", "disagree with its shape"),
+        ({"tokens": _entry("I32", [8], [0, 36])}, b"", "disagree with its shape"),
+        ({"tokens": _entry("I32", [8], [4, 36])}, b"", "overlaps or leaves a gap"),
+        ({"tokens": _entry("I32", [8], [0, -32])}, b"", "data_offsets"),
+        ({"tokens": _entry("I32", [2**62], [0, 32])}, b"", "one dimension"),
+        ({"tokens": _entry("I32", [8.0], [0, 32])}, b"", "one dimension"),
+        ({"tokens": _entry("I32", [], [0, 32])}, b"", "one dimension"),
+        ({"tokens": {"dtype": "I32", "shape": [8]}}, b"", "tokens"),
+        ({"tokens": "pickle"}, b"", "tokens"),
+        ({"extra": _entry("U8", [0], [0, 0])}, b"", "tensors"),
+        ({}, b"\0" * 4, "trailing data"),
+        ({}, b"x", "trailing data"),
+    ],
+)
+def test_bad_tensor_headers_are_rejected_with_a_reason(head, trailing, why):
+    _, fields, tensors = split(_batch())
+    # tokens first in the body, so the other offsets stay as computed
+    tensors = {"tokens": tensors["tokens"], **tensors}
+    with pytest.raises(SchemaError, match=why):
+        decode_batch(forge(fields, tensors, head=head, trailing=trailing), 100, 16)
+
+
+def test_a_missing_tensor_and_bad_metadata_are_rejected():
+    _, fields, tensors = split(_batch())
+    less = {k: v for k, v in tensors.items() if k != "lengths"}
+    with pytest.raises(SchemaError, match="tensors"):
+        decode_batch(forge(fields, less), 100, 16)
+    raw = raw_bytes(fields, tensors)
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    for meta, why in [({}, "metadata"), ({"colonnade": "{}", "x": "1"}, "metadata"),
+                      ({"colonnade": "[1]"}, "not a JSON object"),
+                      ({"colonnade": "[" * 40 + "]" * 40}, "nests"),
+                      ({"colonnade": "not json"}, "JSON")]:  # fmt: skip
+        text = json.dumps({**head, "__metadata__": meta}).encode()
+        bad = len(text).to_bytes(8, "little") + text + raw[8 + n :]
+        with pytest.raises(SchemaError, match=why):
+            decode_batch(compress(bad), 100, 16)
+
+
+def test_headers_that_lie_about_their_size_or_nest_are_rejected():
+    raw = raw_bytes(*split(_batch())[1:])
+    n = int.from_bytes(raw[:8], "little")
+    for size in (2**64 - 1, 2**63, len(raw)):
+        with pytest.raises(SchemaError, match="bytes follow"):
+            decode_batch(compress(size.to_bytes(8, "little") + raw[8:]), 100, 16)
+    with pytest.raises(SchemaError, match="JSON"):
+        decode_batch(compress((n - 3).to_bytes(8, "little") + raw[8:]), 100, 16)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(SchemaError, match="nests"):
+        decode_batch(compress(len(deep).to_bytes(8, "little") + deep), 100, 16)
+    for short in (b"", b"\x08\0\0", raw[:5]):
+        with pytest.raises(SchemaError, match="no safetensors header"):
+            decode_batch(compress(short), 100, 16)
+    with pytest.raises(SchemaError, match="not a JSON document"):
+        decode_batch(compress(bytes(8) + b"rest"), 100, 16)
+
+
+def test_a_json_batch_of_protocol_2_is_refused_naming_both_versions():
+    doc = {"engine": "torch", "groups": [], "seq": 0, "stats": {}, "version": 0, "worker": "w1"}
+    old = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 3"):
+        decode_batch(old, 100, 16)
+    _, fields, tensors = split(_batch())
+    for theirs in (2, 4, "3", 3.0, True):
+        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 3"):
+            decode_batch(forge({**fields, "protocol": theirs}, tensors), 100, 16)
 
 
 def test_batch_limits_and_garbage():
@@ -89,6 +268,34 @@ def test_batch_limits_and_garbage():
     bomb = zstandard.ZstdCompressor().compress(b" " * (80 << 20))
     with pytest.raises(SchemaError):
         decode_batch(bomb, vocab=100, max_tokens=16)
+    data = encode_batch(_batch())
+    with pytest.raises(SchemaError, match="zstd"):
+        decode_batch(data[:-3], vocab=100, max_tokens=16)
+    for tail in (b"\0\0", data):
+        with pytest.raises(SchemaError, match="trailing data after the zstd frame"):
+            decode_batch(data + tail, vocab=100, max_tokens=16)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(pack_batch(_batch()))
+    with pytest.raises(SchemaError, match="declares no size"):
+        decode_batch(unsized, vocab=100, max_tokens=16)
+
+
+def test_the_bound_holds_a_full_honest_batch_and_refuses_one_more_byte():
+    # The worst an honest worker sends: every episode of the longest length,
+    # one episode a group, task ids of 256 characters that JSON escapes.
+    n, tokens = 6, 40
+    eps = [_ep(range(tokens), [1] * tokens, [-1.5] * tokens, "length") for _ in range(n)]
+    batch = RolloutBatch("w" * 64, 2**40, 999_999, [GroupRecord("\U0001f600" * 128 + '"\\' * 64,
+                         [e]) for e in eps], {f"s{i}": -1.0e300 for i in range(32)})  # fmt: skip
+    bound = batch_bytes_bound(n, tokens)
+    assert len(pack_batch(batch)) <= bound
+    assert decode_batch(encode_batch(batch), 100, tokens, bound) == batch
+    # anything that inflates past the bound is refused before it is parsed
+    _, fields, tensors = split(batch)
+    big = raw_bytes(fields, tensors, trailing=b"\0" * bound)
+    with pytest.raises(SchemaError, match="zstd"):
+        decode_batch(compress(big), 100, tokens, bound)
+    assert batch_bytes_bound(64, 512) < 64 * 512 * 9 + 64 * 4096 + (64 << 10) + 1
+    assert batch_bytes_bound(4096, 1 << 20) == 64 << 20
 
 
 def test_run_spec_round_trip_and_validation():
@@ -96,9 +303,10 @@ def test_run_spec_round_trip_and_validation():
     assert RunSpec.from_json(spec.to_json()) == spec
     with pytest.raises(SchemaError, match="precision"):
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
-    for old in (b'"protocol":1', b'"protocol":9'):  # 1: the SHA-256 protocol of earlier releases
-        with pytest.raises(SchemaError, match=r"protocol \d; this colonnade speaks 2"):
-            RunSpec.from_json(spec.to_json().replace(b'"protocol":2', old))
+    # 1: the SHA-256 protocol, 2: JSON batches, of earlier releases
+    for old in (b'"protocol":1', b'"protocol":2', b'"protocol":9', b'"protocol":3.0'):
+        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 3"):
+            RunSpec.from_json(spec.to_json().replace(b'"protocol":3', old))
 
 
 def test_run_spec_without_groups_per_step_is_read_as_unpaced():
@@ -249,3 +457,15 @@ def test_a_follower_one_behind_reads_the_pointer_and_the_patch_only(tmp_path):
     pub.point(done=True)
     again = read_latest(inner)
     assert again.done and again.quarantined == 1 and again.meta == latest.meta
+
+
+def test_a_worker_refuses_a_run_of_another_protocol_in_one_line(tmp_path, capsys):
+    from colonnade.cli.main import main
+
+    spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {})
+    store = LocalStore(tmp_path)
+    store.put(keys.RUN, spec.to_json().replace(b'"protocol":3', b'"protocol":2'))
+    assert main(["worker", "--store", str(tmp_path), "--id", "w1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "run.json speaks protocol 2; this colonnade speaks 3" in err

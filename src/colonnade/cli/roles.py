@@ -135,6 +135,7 @@ def _logging(level: str) -> None:
 
 def _trainer(args: argparse.Namespace) -> int:
     from colonnade.config import load_config
+    from colonnade.protocol import ProtocolMismatch
     from colonnade.train.presets import PRESETS
     from colonnade.train.trainer import RunConflict, Trainer, TrainerConfig
 
@@ -184,7 +185,7 @@ def _trainer(args: argparse.Namespace) -> int:
     trainer.install_stop()
     try:
         trainer.run()
-    except RunConflict as e:
+    except (RunConflict, ProtocolMismatch) as e:  # ProtocolMismatch: run.json of another release
         raise CliError(str(e)) from None
     return 0
 
@@ -192,6 +193,7 @@ def _trainer(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import load_config
     from colonnade.model.mlx_llama import MlxUnavailable
+    from colonnade.protocol import ProtocolMismatch
     from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig
 
     from .main import CliError
@@ -218,7 +220,8 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     try:
         return worker.run()
-    except (TimeoutError, Quarantined) as e:  # no run.json within join_timeout; refused
+    # No run.json within join_timeout; refused; a run of another protocol version.
+    except (TimeoutError, Quarantined, ProtocolMismatch) as e:
         raise CliError(str(e)) from None
 
 

@@ -1,4 +1,4 @@
-"""Protocol v1 over the object store: keys, schemas, version publication.
+"""The protocol over the object store: keys, schemas, version publication.
 
 The trainer and the workers share nothing but these objects; see
 docs/protocol.md for the table of keys and who writes them.
@@ -8,6 +8,7 @@ from . import keys
 from .schemas import (
     EpisodeRecord,
     GroupRecord,
+    ProtocolMismatch,
     RolloutBatch,
     RunSpec,
     SchemaError,
@@ -21,6 +22,7 @@ __all__ = [
     "EpisodeRecord",
     "Follower",
     "GroupRecord",
+    "ProtocolMismatch",
     "Publisher",
     "RolloutBatch",
     "RunSpec",

@@ -1,4 +1,4 @@
-"""Object keys of protocol v2, all relative to the run prefix (docs/protocol.md).
+"""Object keys of protocol v3, all relative to the run prefix (docs/protocol.md).
 
 | key                                        | writer         |
 |--------------------------------------------|----------------|
@@ -8,7 +8,7 @@
 | weights/{v:08d}/full.safetensors           | trainer (anchors) |
 | weights/{v:08d}/meta.json                  | trainer, last  |
 | weights/latest.json                        | trainer (hint) |
-| rollouts/{v:08d}/{worker}/{seq:06d}.json.zst | worker       |
+| rollouts/{v:08d}/{worker}/{seq:06d}.safetensors.zst | worker |
 | workers/{worker}.json                      | worker         |
 | trainer/...                                | trainer        |
 | metrics/{role}-{id}/{seg:06d}.jsonl        | each process   |
@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 
 # 2: hashes name their algorithm (BLAKE3 tree hashes by default), PULSE format 2.
-PROTOCOL_VERSION = 2
+# 3: rollout batches are binary: zstd over safetensors (int32 ids, float32 log-probs).
+PROTOCOL_VERSION = 3
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
@@ -29,13 +30,13 @@ KEYRING = "trainer/keys.json"
 QUARANTINE = "trainer/quarantine.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
-ROLLOUT_EXT = ".json.zst"
+ROLLOUT_EXT = ".safetensors.zst"
 
 # fullmatch with explicit ASCII classes: `$` would let a trailing newline
 # through, and `\d` any Unicode digit.
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _ROLLOUT = re.compile(
-    r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.json\.zst"
+    r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.safetensors\.zst"
 )
 
 

@@ -7,8 +7,9 @@ restarts too (the trainer persists the keys per version). Batches of
 versions that fell out of the window are counted once, as dropped.
 
 Everything under `rollouts/` comes from strangers. Whatever one object
-holds (not a file, too large, a zstd bomb, JSON nested to blow the stack,
-bad schema, a signature that fails, episodes that do not replay), it is
+holds (not a file, too large, a zstd bomb, a header nested to blow the stack,
+bad schema or tensors, another protocol's batch, a signature that fails,
+episodes that do not replay), it is
 rejected, counted under a reason, and the collector moves on; only an
 unavailable store is raised, to be retried. Replays are recognised by
 content, not bytes: a group's digest covers its task, version and token
@@ -26,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from colonnade.protocol import SchemaError, decode_batch, keys
+from colonnade.protocol import ProtocolMismatch, SchemaError, decode_batch, keys
 from colonnade.protocol.polling import FLOOR, poll_interval
 from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, content_digest
 from colonnade.protocol.signing import SignatureRejected, strip_unsigned, verify
@@ -131,6 +132,8 @@ class Collector:
             return None, (e.reason, e)
         except (InvalidObject, ObjectTooLarge, NotFound) as e:
             return None, ("object", e)
+        except ProtocolMismatch as e:  # a worker of another release
+            return None, ("protocol", e)
         except SchemaError as e:
             return None, ("schema", e)
         except Exception as e:  # the trust boundary: no object may stop the trainer
