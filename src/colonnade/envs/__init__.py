@@ -1,24 +1,42 @@
 """Environments: the interface, the registry, and the built-in tasks.
 
-Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format) and `smoke`
-(one turn, learnable in a minute). Users add theirs as a module exposing
-`load_environment(**kwargs)` and name it by import path.
+Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format), `smoke`
+(one turn, learnable in a minute) and `rg:<dataset>`, any dataset of
+reasoning-gym (`pip install 'colonnade[tasks]'`). Users add theirs as a
+module exposing `load_environment(**kwargs)` and name it by import path.
+See docs/environments.md.
 """
 
 from .answers import exact_match, last_tag, normalize
-from .base import SPLITS, Demonstrating, Environment, Practising, Score, Task
-from .registry import BUILTINS, load_environment
+from .args import check_env_kwargs, parse_env_arg, parse_env_args
+from .base import (
+    SPLITS,
+    Demonstrating,
+    Environment,
+    Practising,
+    Score,
+    Success,
+    Task,
+    success_of,
+)
+from .registry import BUILTINS, PREFIXES, load_environment
 
 __all__ = [
     "BUILTINS",
+    "PREFIXES",
     "SPLITS",
     "Demonstrating",
     "Environment",
     "Practising",
     "Score",
+    "Success",
     "Task",
+    "check_env_kwargs",
     "exact_match",
     "last_tag",
     "load_environment",
     "normalize",
+    "parse_env_arg",
+    "parse_env_args",
+    "success_of",
 ]

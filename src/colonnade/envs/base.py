@@ -9,11 +9,14 @@ a worker's claimed reward is never used.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 SPLITS = ("train", "test")
+SUCCESS_THRESHOLD = 1.0  # what an environment that declares nothing counts as solved
+log = logging.getLogger("colonnade.envs")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,14 @@ class Score:
 
 @runtime_checkable
 class Environment(Protocol):
+    """What every environment has. Optional attributes, read with getattr:
+
+    `success_metric` (str): the metric of `Score.metrics` that says an
+    episode solved its task; `success_threshold` (float, default 1.0): the
+    value it must reach. Without `success_metric`, success is
+    `reward >= success_threshold`. pass@1 counts successes (`Success`).
+    """
+
     name: str
     stop: tuple[str, ...]  # strings that end a model turn
     max_turns: int
@@ -79,6 +90,45 @@ class Practising(Protocol):
     def practice(self, seed: int) -> Environment:
         """The same task over other data (no entity, answer or document in common)."""
         ...
+
+
+@dataclass(frozen=True)
+class Success:
+    """When an episode counts as solved, for pass@1: a metric (or the reward) >= threshold."""
+
+    metric: str | None  # None: the reward
+    threshold: float
+    declared: bool  # False: the environment declares neither attribute
+
+    def __call__(self, score: Score) -> bool:
+        value = score.reward if self.metric is None else score.metrics.get(self.metric, 0.0)
+        return value >= self.threshold
+
+    def describe(self) -> str:
+        """The rule as eval and run print it, e.g. `correct >= 1, declared`."""
+        how = "declared" if self.declared else "the default: the environment declares none"
+        return f"{self.metric or 'reward'} >= {self.threshold:g}, {how}"
+
+
+_warned: set[str] = set()
+
+
+def success_of(env: Any) -> Success:
+    """The environment's declared success rule; warns once per environment name if none."""
+    metric = getattr(env, "success_metric", None)
+    threshold = getattr(env, "success_threshold", None)
+    declared = metric is not None or threshold is not None
+    rule = Success(metric, float(SUCCESS_THRESHOLD if threshold is None else threshold), declared)
+    name = str(getattr(env, "name", type(env).__name__))
+    if not declared and name not in _warned:
+        _warned.add(name)
+        log.warning(
+            "environment %s declares no success_metric or success_threshold: "
+            "pass@1 counts episodes with reward >= %g",
+            name,
+            rule.threshold,
+        )
+    return rule
 
 
 def check_split(split: str) -> str:

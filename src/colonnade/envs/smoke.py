@@ -22,6 +22,7 @@ class Smoke:
     name = "smoke"
     stop = ("</answer>",)
     max_turns = 1
+    success_metric = "correct"  # pass@1 counts episodes whose `correct` is 1
 
     def __init__(self, n_tasks: int, seed: int):
         if n_tasks < 2:

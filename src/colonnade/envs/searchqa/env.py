@@ -29,6 +29,7 @@ SYSTEM = (
 class SearchQA:
     name = "searchqa"
     stop = ("</search>", "</answer>")
+    success_metric = "correct"  # pass@1 counts episodes whose `correct` is 1
 
     def __init__(
         self,
