@@ -7,17 +7,21 @@ import json
 import sys
 from pathlib import Path
 
+from .envargs import add_env_arg, env_kwargs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "eval",
-        help="pass@1, search rate and format rate of a model on an environment split",
+        help="pass@1 and the environment's metrics of a model on an environment split",
         description="Evaluate a model on an environment split with the rollout engine "
-        "(int8 by default, as workers run it): pass@1 sampled at --temperature and "
-        "greedy, search rate, search success, mean turns, format rate.",
+        "(int8 by default, as workers run it): pass@1 (the environment's declared success; "
+        "the output names the rule), sampled at --temperature and greedy, mean reward and "
+        "the mean of every metric the environment reports.",
     )
     e.add_argument("--model", required=True, help="model directory, preset or hub name")
     e.add_argument("--env", default="searchqa", help="environment name or import path")
+    add_env_arg(e)
     e.add_argument("--split", default="test", choices=["train", "test"])
     e.add_argument("-n", type=int, default=500, help="tasks to run (first n of the split)")
     e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
@@ -41,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--model", default="tiny", help="preset, model directory or hub name")
     w.add_argument("--env", default="searchqa", help="environment name or import path")
+    add_env_arg(w)
     w.add_argument("--out", type=Path, help="model directory to write (default: the cache)")
     w.add_argument(
         "--good-fraction",
@@ -103,13 +108,14 @@ def run_eval(
     seed: int,
     greedy: bool,
     engine: str = "torch",
+    env_kwargs: dict | None = None,
 ) -> dict:
     from colonnade.envs import load_environment
     from colonnade.model import resolve_model
     from colonnade.rollout import SamplingParams, load_engine
     from colonnade.rollout.evaluate import evaluate
 
-    env = load_environment(env_name)
+    env = load_environment(env_name, **(env_kwargs or {}))
     tasks = list(env.tasks(split))[:n]
     if not tasks:
         raise ValueError(f"split {split!r} of {env_name} has no tasks")
@@ -147,6 +153,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.n < 1 or args.batch_size < 1:
         raise CliError("-n and --batch-size must be at least 1")
+    kwargs = env_kwargs(args)
     try:
         out = run_eval(
             args.model,
@@ -160,6 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
             args.seed,
             not args.no_greedy,
             args.engine,
+            kwargs,
         )
     except (ValueError, FileNotFoundError, MlxUnavailable) as e:
         raise CliError(str(e)) from None
@@ -167,13 +175,12 @@ def _eval(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     rows = [("sampled", out)] + ([("greedy", out["greedy"])] if "greedy" in out else [])
-    print(f"{args.env} {args.split}, n={out['n']}, {args.precision}")
-    keys = [
-        k for k in ("pass_at_1", "search_rate", "search_success", "turns", "format_ok") if k in out
-    ]
-    print(f"{'':10}" + "".join(f"{k:>16}" for k in keys))
+    print(f"{args.env} {args.split}, n={out['n']}, {args.precision}; pass@1: {out['success']}")
+    keys = [k for k, v in out.items() if isinstance(v, float) and k != "temperature"]
+    width = max([12, *(len(k) + 2 for k in keys)])
+    print(f"{'':10}" + "".join(f"{k:>{width}}" for k in keys))
     for name, figs in rows:
-        print(f"{name:10}" + "".join(f"{figs.get(k, float('nan')):>16.3f}" for k in keys))
+        print(f"{name:10}" + "".join(f"{figs.get(k, float('nan')):>{width}.3f}" for k in keys))
     return 0
 
 
@@ -185,6 +192,7 @@ def _warmstart(args: argparse.Namespace) -> int:
     cfg = WarmstartConfig(
         model=args.model,
         env=args.env,
+        env_kwargs=env_kwargs(args) or {},
         steps=args.steps,
         drill_steps=args.drill_steps,
         practice_seed=args.practice_seed,

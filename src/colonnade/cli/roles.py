@@ -6,6 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from .envargs import add_env_arg, env_kwargs
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -38,6 +40,7 @@ def _register_trainer(sub: argparse._SubParsersAction) -> None:
     _common(t)
     t.add_argument("--preset", help="named defaults: smoke | searchqa")
     t.add_argument("--env", help="environment name or import path (default smoke)")
+    add_env_arg(t)
     t.add_argument("--model", help="preset (tiny, smollm2-135m), model directory or hub name")
     t.add_argument("--max-versions", type=int, help="stop after publishing this version")
     t.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag (0: on-policy)")
@@ -176,8 +179,10 @@ def _trainer(args: argparse.Namespace) -> int:
     }
     # Bad settings (unknown env or model, wrong types) are the user's and
     # get one line; an error once training runs keeps its traceback.
+    extra = env_kwargs(args)
     try:
         cfg = load_config(TrainerConfig, args.config, base=preset, **flags)
+        cfg.env_kwargs = {**cfg.env_kwargs, **(extra or {})}  # key by key over the file's
         _need_store(cfg)
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:

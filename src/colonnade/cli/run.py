@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .envargs import add_env_arg, env_kwargs
+
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="smoke (under 3 min) | demo (the default: searchqa)")
@@ -14,6 +16,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="run prefix (default <out>/store); s3://bucket/prefix too")
     p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
     p.add_argument("--env", help="environment name or import path")
+    add_env_arg(p)
     p.add_argument("--model", help="preset (tiny, smollm2-135m), model directory or hub name")
     p.add_argument("--workers", type=int, help="rollout worker processes (default 2)")
     p.add_argument("--threads", type=int, help="torch threads per process (default 1)")
@@ -113,8 +116,11 @@ def _resolved(args: argparse.Namespace):
             "sign",
         )
     }
+    kwargs = env_kwargs(args)
     try:
-        return resolve_run_config(args.preset, args.config, trainer=trainer or None, **flags)
+        return resolve_run_config(
+            args.preset, args.config, trainer=trainer or None, env_kwargs=kwargs, **flags
+        )
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -136,14 +142,12 @@ def _run(args: argparse.Namespace) -> int:
         report = launch(cfg)
     except (ValueError, FileExistsError) as e:
         raise CliError(str(e)) from None
+    from colonnade.rollout.evaluate import figures_line
+
     ev = report["eval"]
     for which in ("before", "after"):
         if ev.get(which):
-            e = ev[which]
-            print(
-                f"{which:>6}: pass@1 {e.get('pass_at_1', 0):.3f}  "
-                f"search rate {e.get('search_rate', 0):.3f}  n={e.get('n')}"
-            )
+            print(f"{which:>6}: {figures_line(ev[which])}")
     print(f"status: {report['status']}, v{report['versions_published']}, {report['wall_s']} s")
     return 0 if report["status"] == "finished" else 1
 

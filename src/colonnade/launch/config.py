@@ -5,18 +5,24 @@
 Precedence: run preset < TOML file < flags. The [trainer] table overrides
 the trainer preset the run preset names, key by key; [worker] likewise for
 the worker defaults. Every table is checked against its dataclass, so an
-unknown key anywhere is an error naming it.
+unknown key anywhere is an error naming it. The environment's arguments
+live in `[trainer] env_kwargs` (the trainer writes them into run.json for
+the workers); `--env-arg k=v` flags go over them key by key, and they are
+checked as run.json's reader checks them (`check_env_kwargs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from colonnade.config import load_config
+from colonnade.envs.args import check_env_kwargs
 from colonnade.rollout.worker import WorkerConfig
 from colonnade.train.presets import PRESETS as TRAINER_PRESETS
 from colonnade.train.trainer import TrainerConfig
@@ -94,9 +100,15 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def resolve_run_config(
-    preset: str | None = None, path: Path | None = None, **flags: Any
+    preset: str | None = None,
+    path: Path | None = None,
+    env_kwargs: dict | None = None,
+    **flags: Any,
 ) -> RunConfig:
-    """The effective RunConfig: preset < file < flags (None flags are ignored)."""
+    """The effective RunConfig: preset < file < flags (None flags are ignored).
+
+    `env_kwargs` (from --env-arg) go over `[trainer] env_kwargs` key by key.
+    """
     file: dict = {}
     if path is not None:
         try:
@@ -108,8 +120,14 @@ def resolve_run_config(
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
     values = _merge({**RUN_PRESETS[name], "preset": name}, file)
     values = _merge(values, {k: v for k, v in flags.items() if v is not None})
+    if env_kwargs and isinstance(values.get("trainer", {}), dict):
+        table = dict(values.get("trainer", {}))
+        given = table.get("env_kwargs", {})
+        table["env_kwargs"] = {**given, **env_kwargs} if isinstance(given, dict) else env_kwargs
+        values["trainer"] = table
     cfg = load_config(RunConfig, base=values)
-    role_configs(cfg)  # fail now, not in a child process, on a bad table
+    trainer, _ = role_configs(cfg)  # fail now, not in a child process, on a bad table
+    check_env_kwargs(trainer.env_kwargs, "[trainer] env_kwargs")
     if cfg.workers < 0 or cfg.threads < 1 or cfg.eval_n < 0 or cfg.eval_batch < 1:
         raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
     if cfg.trainer_ranks < 1:
@@ -147,12 +165,17 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # JSON's escapes are TOML's too; DEL is the one control JSON leaves raw.
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def to_toml(tables: dict[str, dict]) -> str:

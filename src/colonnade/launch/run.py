@@ -17,10 +17,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from colonnade.envs import load_environment
+from colonnade.envs import Demonstrating, load_environment
+from colonnade.model import resolve_model
 from colonnade.protocol import keys, latest_version
 from colonnade.protocol.signing import new_keypair
 from colonnade.rollout import SamplingParams
+from colonnade.rollout.evaluate import figures_line
 from colonnade.store import ObjectStore, open_store
 from colonnade.train.trainer import TrainerConfig
 from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
@@ -43,12 +45,21 @@ def prepare(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, out=out)
 
 
-def _warm(cfg: RunConfig, console: Console) -> str:
-    if not cfg.warmstart:
-        return cfg.model
+def _warm(cfg: RunConfig, trainer: TrainerConfig, console: Console) -> str:
+    """The model directory the run starts from: the warm start's, or the model
+    itself resolved as the trainer resolves it (a preset name is no hub name)."""
+    env = load_environment(cfg.env, **trainer.env_kwargs)
+    if cfg.warmstart and not isinstance(env, Demonstrating):
+        console.print(
+            f"warm start: skipped, environment {cfg.env} has no demonstrations "
+            "(no demonstration() method); RL starts from the model as given"
+        )
+    if not cfg.warmstart or not isinstance(env, Demonstrating):
+        return resolve_model(cfg.model, env.tokenizer_texts())
     ws = WarmstartConfig(
         model=cfg.model,
         env=cfg.env,
+        env_kwargs=dict(trainer.env_kwargs),
         good_fraction=cfg.good_fraction,
         steps=cfg.warmstart_steps,
         drill_steps=cfg.warmstart_drill_steps,
@@ -80,10 +91,7 @@ def _eval(
         )
     figures["version"] = engine.version
     store.put(keys.EVAL[which], json.dumps(figures).encode())
-    console.print(
-        f"eval {which} (v{engine.version}, n={figures['n']}): pass@1 "
-        f"{figures.get('pass_at_1', 0):.3f}, search rate {figures.get('search_rate', 0):.3f}"
-    )
+    console.print(f"eval {which} (v{engine.version}): {figures_line(figures)}")
     return figures
 
 
@@ -200,7 +208,7 @@ def _supervise(
     stop them and record how the run ended in `facts` and the store."""
     children: list[Child] = []
     try:
-        model_path = _warm(cfg, console)
+        model_path = _warm(cfg, trainer_cfg, console)
         if cfg.eval_n:
             _eval(
                 cfg,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from colonnade.envs import Practising, load_environment
+from colonnade.envs import Demonstrating, Practising, load_environment
 from colonnade.model import load_model, resolve_model
 from colonnade.model.loading import READY, build_once, cache_root
 
@@ -113,6 +113,8 @@ def warmstart(
     """(model directory, whether it was built now rather than reused)."""
     cfg = cfg.resolved()
     env = load_environment(cfg.env, **cfg.env_kwargs)
+    if not isinstance(env, Demonstrating):  # before building anything
+        raise TypeError(f"environment {env.name!r} has no demonstration() for a warm start")
     base = resolve_model(cfg.model, env.tokenizer_texts())
     target = Path(out) if out else default_dir(cfg, base)
     key = cfg.key(base)
