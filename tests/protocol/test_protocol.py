@@ -294,8 +294,13 @@ def test_the_bound_holds_a_full_honest_batch_and_refuses_one_more_byte():
     big = raw_bytes(fields, tensors, trailing=b"\0" * bound)
     with pytest.raises(SchemaError, match="zstd"):
         decode_batch(compress(big), 100, tokens, bound)
-    assert batch_bytes_bound(64, 512) < 64 * 512 * 9 + 64 * 4096 + (64 << 10) + 1
+    # 8 groups of 8 episodes of 512 tokens: 9 bytes a token and little more
+    assert batch_bytes_bound(64, 512, 8) == 64 * (512 * 9 + 32) + 8 * 4096 + (64 << 10)
+    assert batch_bytes_bound(64, 512) == batch_bytes_bound(64, 512, 64)
     assert batch_bytes_bound(4096, 1 << 20) == 64 << 20
+    # groups of several episodes share a task id
+    many = RolloutBatch("w1", 0, 0, [GroupRecord("\U0001f600" * 200 + '"' * 56, eps)], {})
+    assert len(pack_batch(many)) <= batch_bytes_bound(n, tokens, 1)
 
 
 def test_run_spec_round_trip_and_validation():

@@ -259,7 +259,8 @@ TENSORS = {
     "lengths": ("I32", np.dtype("<i4")),  # tokens per episode, in order
 }
 TOKEN_BYTES = sum(dt.itemsize for name, (_, dt) in TENSORS.items() if name != "lengths")
-EPISODE_BYTES = 4 << 10  # an episode's length, finish and (at most) its group's task id
+EPISODE_BYTES = 32  # an episode's length and finish
+GROUP_BYTES = 4 << 10  # a group's task id, escaped in the metadata JSON and again in the header
 HEADER_SLACK = 64 << 10  # the tensors' entries, worker, stats and the rest
 
 
@@ -302,15 +303,16 @@ def encode_batch(batch: RolloutBatch) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(pack_batch(batch))
 
 
-def batch_bytes_bound(episodes: int, max_tokens: int) -> int:
+def batch_bytes_bound(episodes: int, max_tokens: int, groups: int | None = None) -> int:
     """The decompressed size a batch of `episodes` episodes of at most
-    `max_tokens` tokens can need: 9 bytes a token (int32 id, float32
-    log-prob, uint8 mask), up to 4 KiB an episode for its length, finish and
-    its group's task id (256 characters, escaped twice), and 64 KiB for the
-    rest of the header. What a run asks of its workers bounds what the
-    trainer will inflate and parse."""
-    per_episode = max_tokens * TOKEN_BYTES + EPISODE_BYTES
-    return min(MAX_BATCH_BYTES, episodes * per_episode + HEADER_SLACK)
+    `max_tokens` tokens, in `groups` groups (default: one an episode), can
+    need: 9 bytes a token (int32 id, float32 log-prob, uint8 mask), 32 bytes
+    an episode (its length and finish), 4 KiB a group (a task id of 256
+    characters, escaped twice) and 64 KiB for the rest of the header. What a
+    run asks of its workers bounds what the trainer will inflate and parse."""
+    groups = episodes if groups is None else groups
+    need = episodes * (max_tokens * TOKEN_BYTES + EPISODE_BYTES) + groups * GROUP_BYTES
+    return min(MAX_BATCH_BYTES, need + HEADER_SLACK)
 
 
 def content_digest(group: GroupRecord, version: int) -> str:

@@ -326,7 +326,9 @@ class Trainer:
             consumed=consumed,
             seen=seen,
             max_raw=batch_bytes_bound(
-                self.spec.groups_per_batch * self.spec.group_size, max_tokens
+                self.spec.groups_per_batch * self.spec.group_size,
+                max_tokens,
+                self.spec.groups_per_batch,
             ),
         )
         self._restore_counts()
