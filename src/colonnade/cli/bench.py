@@ -27,6 +27,12 @@ BENCHES = {
         "publish seconds and the time a step waited for it; 2 ranks' loss and gradient norm "
         "against 1 rank's.",
     ),
+    "batches": (
+        "rollout batches: protocol 3's binary form against protocol 2's JSON",
+        "One realistic batch (8 groups x 8 episodes x 512 tokens, vocab 49152 by default) "
+        "encoded and decoded as zstd JSON, as zstd safetensors (the wire format) and as raw "
+        "safetensors, side by side: bytes, encode and decode milliseconds (median of repeats).",
+    ),
     "e2e": (
         "async (max_lag 2) against sync (max_lag 0) training, 1 and 2 workers",
         "Full smoke runs side by side: wall time to a fixed training pass rate with max_lag "
