@@ -20,9 +20,10 @@ Arguments: `size` and `seed` and every other key of the dataset's config
 `shots` are the adapter's. Everything is held in memory from construction,
 and `score` calls only `score_answer` on what it is given, so the trainer,
 which rebuilds this environment from run.json and replays `score`, gets the
-worker's reward. A task id carries a hash of its question, so a process
-whose reasoning-gym generated another question under the same index fails
-to find the task (the batch is rejected) instead of scoring it wrongly.
+worker's reward. A task id carries a hash of its question, so a worker
+whose reasoning-gym generated another question under the same index sends
+an id the trainer does not know (it rejects the group) instead of one it
+would score against another answer.
 """
 
 from __future__ import annotations
