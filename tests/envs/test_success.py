@@ -68,3 +68,13 @@ def test_search_metric_keeps_its_report_name_and_the_line_names_the_rule():
     assert line.startswith("pass@1 1.000 (correct >= 1, declared), reward 1.000")
     assert line.endswith("n=1") and "temperature" not in line
     assert figures_line({"n": 0}) == "pass@1 n/a, n=0"
+
+
+def test_the_reports_eval_table_shows_the_environments_figures_and_rule():
+    from colonnade.report.html import _eval_table
+
+    before = {"pass_at_1": 0.1, "reward": 0.25, "format_ok": 1.0, "n": 4, "temperature": 1.0}
+    table = _eval_table({"before": {**before, "success": "reward >= 1, declared"}, "after": None})
+    heads = ["pass_at_1", "reward", "format_ok", "n"]
+    assert "".join(f"<th>{h}</th>" for h in heads) in table and "temperature" not in table
+    assert "pass@1 counts reward &gt;= 1, declared" in table

@@ -78,20 +78,27 @@ def _workers(workers: dict) -> str:
 
 
 def _eval_table(ev: dict) -> str:
+    """pass@1 first, then every figure the environment reported, n last; the rule below."""
     before, after = ev.get("before") or {}, ev.get("after") or {}
-    keys = [
+    skip = {"pass_at_1", "n", "temperature", "version"}
+    figures = [
         k
-        for k in ("pass_at_1", "search_rate", "search_success", "format_ok", "n")
-        if k in before or k in after
+        for k in dict.fromkeys([*before, *after])
+        if k not in skip and isinstance(before.get(k, after.get(k)), int | float)
     ]
+    keys = [k for k in ("pass_at_1", *figures, "n") if k in before or k in after]
     if not keys:
         return "<p>No held-out evaluation in this run.</p>"
-    head = "".join(f"<th>{k}</th>" for k in keys)
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
     rows = "".join(
-        f"<tr><td>{name}</td>" + "".join(f"<td>{d.get(k, '')}</td>" for k in keys) + "</tr>"
+        f"<tr><td>{name}</td>"
+        + "".join(f"<td>{html.escape(str(d.get(k, '')))}</td>" for k in keys)
+        + "</tr>"
         for name, d in (("before", before), ("after", after))
     )
-    return f"<table><tr><th></th>{head}</tr>{rows}</table>"
+    rule = after.get("success") or before.get("success")
+    note = f"<p>pass@1 counts {html.escape(str(rule))}.</p>" if rule else ""
+    return f"<table><tr><th></th>{head}</tr>{rows}</table>{note}"
 
 
 def render_html(report: dict) -> str:
