@@ -3,11 +3,13 @@
 The trainer publishes per-row symmetric int8 codes and float32 row scales
 (`colonnade.pulse.quant`, one implementation for both sides). On CPU every
 2-D linear becomes an `Int8Linear` that holds exactly those codes and scales
-and computes y = (x · codesᵀ) · scale with torch's int8 weight-only kernel
-(`_weight_int8pack_mm`: bf16 activations, int8 weights, fp32 accumulation),
-the scale applied afterwards in float32. That is weight-only quantization,
-as MLX's int8 on Macs: the weights are the published ones, only activations
-round to bf16 inside the matmul.
+and computes y = (x · codesᵀ) · scale: bf16 activations times the codes,
+sums in float32, the row scale applied afterwards in float32, on whichever
+of the equivalent kernels in `colonnade.model.kernels` (torch's int8
+weight-only kernel, oneDNN's bf16 GEMM on AMX...) this CPU runs fastest for
+the shape and number of rows. That is weight-only quantization, as MLX's
+int8 on Macs: the weights are the published ones, only activations round to
+bf16 inside the matmul.
 
 Why not fbgemm's dynamic int8 linear (W8A8, used before): it quantizes
 activations with one scale per call, and real LLMs have outlier activation
@@ -21,12 +23,12 @@ float32. On CUDA/MPS the same codes run dequantized.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Set
 
 import torch
 from torch import nn
 
+from colonnade.model.kernels import ROW_BUCKETS, Kernel, bucket, planner
 from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows
 
 
@@ -58,75 +60,62 @@ def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return prepare(publishable_state(model), "int8")
 
 
-# From this many rows up (batch × new tokens), a bf16 GEMM over the codes
-# (exact in bf16: |code| ≤ 127) beats the int8 kernel, which is a GEMV at
-# heart: SmolLM2's 576×1536 at 32 rows takes 200 µs against 305 µs (fp32:
-# 540 µs). Same arithmetic either way: bf16 activations times the codes,
-# float32 sums, a bf16 result, then the row scale in float32.
-BF16_GEMM_ROWS = 16
-
-
-@functools.cache
-def bf16_gemm_fast() -> bool:
-    """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX), where
-    oneDNN's bf16 GEMM is fast; elsewhere it is emulated and slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
-
-
-def _kernel_fits(in_features: int) -> bool:
-    # The kernel reads K in blocks of 16 and crashes the process (no error)
-    # on other widths: checked here, never discovered at run time.
-    return hasattr(torch, "_weight_int8pack_mm") and in_features % 16 == 0
-
-
 class Int8Linear(nn.Module):
-    """A linear layer running published int8 codes: y = (x · codesᵀ) · scale + bias."""
+    """A linear layer running published int8 codes: y = (x · codesᵀ) · scale + bias.
+
+    The matmul is whichever kernel `kernels.planner()` measured fastest on
+    this CPU for the layer's shape and the call's number of rows; each keeps
+    its own packed form of the codes, made at its first call.
+    """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
-        self.register_buffer(
-            "ones", torch.ones(self.out_features, dtype=torch.bfloat16), persistent=False
-        )
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.fast = _kernel_fits(self.in_features)
-        self.codes_bf16: torch.Tensor | None = None  # made at the first large call
+        self._plan: list[Kernel | None] = [None] * len(ROW_BUCKETS)
+        self._packed: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def load(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         """A newer version's codes, in place (same shapes)."""
         self.codes.copy_(codes)
         self.scale.copy_(scale)
-        self.codes_bf16 = None  # rebuilt from the new codes at the next large call
+        self._packed.clear()  # packed again from the new codes at their next call
         if bias is not None and self.bias is not None:
             self.bias.data.copy_(bias)
 
+    def kernel(self, rows: int) -> Kernel:
+        """The kernel for a call with `rows` rows (chosen once per bucket)."""
+        b = bucket(rows)
+        chosen = self._plan[b]
+        if chosen is None:
+            chosen = self._plan[b] = planner().choose(self.out_features, self.in_features, rows)
+        return chosen
+
+    def packed(self, kernel: Kernel) -> tuple[torch.Tensor, ...]:
+        """The codes in `kernel`'s form, made at its first use."""
+        got = self._packed.get(kernel.name)
+        if got is None:
+            # Normal tensors even when the first call runs under
+            # inference_mode: an inference tensor would poison later calls
+            # that autograd tracks (a teacher-forced pass).
+            with torch.inference_mode(False), torch.no_grad():
+                got = self._packed[kernel.name] = kernel.pack(self.codes)
+        return got
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.fast and flat.shape[0] >= BF16_GEMM_ROWS and bf16_gemm_fast():
-            if self.codes_bf16 is None:
-                # A normal tensor even when the first large call runs under
-                # inference_mode: an inference tensor would poison later
-                # calls that autograd tracks (a teacher-forced pass).
-                with torch.inference_mode(False):
-                    self.codes_bf16 = self.codes.to(torch.bfloat16)
-            y = (flat.to(torch.bfloat16) @ self.codes_bf16.t()).float() * self.scale
-        elif self.fast:
-            y = torch._weight_int8pack_mm(
-                flat.to(torch.bfloat16).contiguous(), self.codes, self.ones
-            )
-            y = y.float() * self.scale
+        kernel = self.kernel(flat.shape[0])
+        y = kernel.run(flat.to(torch.bfloat16), self.packed(kernel))
+        # bf16 · float32 promotes: the row scale (and bias) apply in float32.
+        if self.bias is None:
+            y = torch.mul(y, self.scale)
         else:
-            y = flat.float() @ self.codes.float().t() * self.scale
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = torch.addcmul(self.bias, y, self.scale)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_rows(self.codes, self.scale)
