@@ -231,6 +231,22 @@ def test_a_missing_tensor_and_bad_metadata_are_rejected():
             decode_batch(compress(bad), 100, 16)
 
 
+def test_a_key_twice_in_the_header_or_metadata_is_rejected():
+    raw = raw_bytes(*split(_batch())[1:])
+    n = int.from_bytes(raw[:8], "little")
+    text = raw[8 : 8 + n].decode()
+    at = text.index('"tokens"')
+    first = '"tokens": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]}, '
+    for bad in (
+        text[:at] + first + text[at:],
+        text.replace('\\"seq\\": 0', '\\"seq\\": 0, \\"seq\\": 1'),
+    ):
+        assert bad != text
+        data = bad.encode()
+        with pytest.raises(SchemaError, match="a key appears twice"):
+            decode_batch(compress(len(data).to_bytes(8, "little") + data + raw[8 + n :]), 100, 16)
+
+
 def test_headers_that_lie_about_their_size_or_nest_are_rejected():
     raw = raw_bytes(*split(_batch())[1:])
     n = int.from_bytes(raw[:8], "little")

@@ -66,12 +66,21 @@ def _num(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def loads(data: bytes, limit: int = MAX_JSON_BYTES) -> dict:
+def _unique(pairs: list) -> dict:
+    names = [k for k, _ in pairs]
+    if len(set(names)) != len(names):  # parsers disagree on which one counts
+        raise SchemaError(f"a key appears twice: {sorted(k for k in names if names.count(k) > 1)}")
+    return dict(pairs)
+
+
+def loads(data: bytes, limit: int = MAX_JSON_BYTES, unique: bool = False) -> dict:
     """A JSON object from untrusted bytes, bounded in size and depth before
-    parsing; SchemaError otherwise."""
+    parsing; SchemaError otherwise. `unique`: refuse a key twice in an object."""
     try:
         untrusted.check_json(data, limit)
-        doc = json.loads(data)
+        doc = json.loads(data, object_pairs_hook=_unique if unique else None)
+    except SchemaError:
+        raise
     except ValueError as e:  # the bounds, JSONDecodeError, UnicodeDecodeError
         raise SchemaError(f"not a JSON document we accept: {e}") from None
     except RecursionError:  # a second net under the depth bound
@@ -352,12 +361,14 @@ def _header(raw: bytes) -> tuple[dict, dict]:
     if n > len(raw) - 8 and raw[:1] == b"{":  # a JSON batch of earlier releases
         raise _mismatch("a JSON batch", 2, _WORKER_HINT)
     _need(n <= len(raw) - 8, f"header of {n} bytes, but {len(raw) - 8} bytes follow")
-    head = loads(raw[8 : 8 + n], n)  # size and depth bounded before parsing
+    # Size and depth bounded before parsing; a key twice would let safetensors
+    # read another entry than the one checked here.
+    head = loads(raw[8 : 8 + n], n, unique=True)
     _need(set(head) == {"__metadata__", *TENSORS}, f"tensors: {sorted(set(TENSORS))}")
     meta = head["__metadata__"]
     _need(isinstance(meta, dict) and set(meta) == {META_KEY}, f"metadata: {META_KEY!r} only")
     _need(isinstance(meta[META_KEY], str), "metadata: a JSON string")
-    fields = loads(meta[META_KEY].encode(), n)
+    fields = loads(meta[META_KEY].encode(), n, unique=True)
     spans = []
     for name, (dtype, np_dtype) in TENSORS.items():
         t = head[name]
@@ -417,6 +428,10 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
         arrays = load(raw)
     except (SafetensorError, ValueError) as e:  # checked above: a second net
         raise SchemaError(f"not a safetensors batch: {e}") from None
+    for name, (_, np_dtype) in TENSORS.items():  # a second net: what was read is what was checked
+        a = arrays.get(name)
+        _need(a is not None and a.dtype == np_dtype and a.shape == (shapes[name],),
+              f"{name}: read back unlike its header")  # fmt: skip
     lengths = arrays["lengths"].astype(np.int64)
     _need(bool(np.all((lengths >= 1) & (lengths <= max_tokens))),
           f"episode length must be 1..{max_tokens}")  # fmt: skip
