@@ -176,3 +176,18 @@ def test_an_int8_linear_on_each_kernel_follows_new_codes(name, monkeypatch):
     assert kernels.within_tolerance(got - bias, x, newer, scale)
     tracked = layer(x.clone().requires_grad_())
     assert torch.equal(tracked.detach(), got)
+
+
+def test_processes_sharing_the_cache_keep_each_others_slots(tmp_path, monkeypatch):
+    monkeypatch.delenv(kernels.FORCE_ENV, raising=False)
+    measure, calls = _fake_times({"int8pack": 1e-5, "float": 9e-5})
+    monkeypatch.setattr(kernels, "measure", measure)
+    a, b = Planner(tmp_path / "k.json"), Planner(tmp_path / "k.json")
+    a.choose(64, 64, 1)
+    b.choose(32, 64, 1)
+    doc = json.loads((tmp_path / "k.json").read_text())
+    assert set(doc["choices"]) == {"64x64@1", "32x64@1"}
+    b.forget()
+    assert b.summary() == {}
+    b.choose(32, 64, 1)
+    assert len(calls) == 3  # forgotten: measured again
