@@ -13,24 +13,46 @@ from .envargs import add_env_arg, env_kwargs
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "eval",
-        help="pass@1 and the environment's metrics of a model on an environment split",
+        help="pass@1 (pass@k) and the environment's metrics of a model on an environment split",
         description="Evaluate a model on an environment split with the rollout engine "
         "(int8 by default, as workers run it): pass@1 (the environment's declared success; "
         "the output names the rule), sampled at --temperature and greedy, mean reward and "
-        "the mean of every metric the environment reports.",
+        "the mean of every metric the environment reports; with -k, pass@k and mean@k. "
+        "Turn and token limits are a run's: those of the run preset made for --env "
+        "(smoke: smoke, else demo), or of --preset / --config.",
     )
     e.add_argument("--model", required=True, help="model directory, preset or hub name")
-    e.add_argument("--env", default="searchqa", help="environment name or import path")
+    e.add_argument(
+        "--env", help="environment name or import path (default: --config's, else searchqa)"
+    )
     add_env_arg(e)
+    e.add_argument(
+        "--preset", help="run preset whose limits to use (default: the one made for --env)"
+    )
+    e.add_argument("--config", type=Path, help="a run's run.toml: its env, env_kwargs and limits")
+    e.add_argument("--max-turn-tokens", type=int, help="model tokens a turn (default: the run's)")
+    e.add_argument(
+        "--max-episode-tokens", type=int, help="tokens an episode after the prompt (the run's)"
+    )
     e.add_argument("--split", default="test", choices=["train", "test"])
     e.add_argument("-n", type=int, default=500, help="tasks to run (first n of the split)")
+    e.add_argument(
+        "-k",
+        type=int,
+        default=1,
+        help="samples per task of the sampled pass: pass@k (any of the k solved) and "
+        "mean@k (the share solved, averaged over tasks)",
+    )
+    e.add_argument(
+        "--show", type=int, default=0, metavar="N", help="print N sampled completions and rewards"
+    )
     e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
     e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (torch engine)")
     e.add_argument(
         "--engine", default="torch", choices=["auto", "torch", "mlx"], help="rollout engine"
     )
     e.add_argument("--temperature", type=float, default=1.0, help="of the sampled pass")
-    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--batch-size", type=int, default=50, help="episodes a batch")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -82,14 +104,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.set_defaults(handler=_warmstart)
 
 
-def _progress(description: str, total: int):
-    from colonnade.launch.live import progress_bar
-
-    bar = progress_bar(_console())
-    task = bar.add_task(description, total=total, info="")
-    return bar, task
-
-
 def _console():
     from rich.console import Console
 
@@ -101,19 +115,27 @@ def run_eval(
     env_name: str,
     split: str,
     n: int,
-    precision: str,
-    device: str,
-    temperature: float,
-    batch_size: int,
-    seed: int,
-    greedy: bool,
+    params,
+    *,
+    precision: str = "int8",
+    device: str = "cpu",
+    batch_size: int = 50,
+    seed: int = 0,
+    greedy: bool = True,
     engine: str = "torch",
     env_kwargs: dict | None = None,
+    k: int = 1,
+    show: int = 0,
 ) -> dict:
-    from colonnade.envs import load_environment
+    """The figures of the sampled pass (`params`, k samples a task), `greedy` (one
+    a task at temperature 0), and with `show` the first `show` sampled episodes."""
+    from dataclasses import replace
+
+    from colonnade.envs import load_environment, success_of
     from colonnade.model import resolve_model
-    from colonnade.rollout import SamplingParams, load_engine
-    from colonnade.rollout.evaluate import evaluate
+    from colonnade.progress import Tracker
+    from colonnade.rollout import load_engine
+    from colonnade.rollout.evaluate import episodes, summarize
 
     env = load_environment(env_name, **(env_kwargs or {}))
     tasks = list(env.tasks(split))[:n]
@@ -121,29 +143,80 @@ def run_eval(
         raise ValueError(f"split {split!r} of {env_name} has no tasks")
     path = resolve_model(model, env.tokenizer_texts())
     runner = load_engine(path, precision, device, engine=engine)
-    passes = [("sampled", temperature)] + ([("greedy", 0.0)] if greedy else [])
-    bar, task = _progress("eval", len(tasks) * len(passes))
+    # Greedy samples are all alike: one a task.
+    passes = [("sampled", params, k)] + (
+        [("greedy", replace(params, temperature=0.0), 1)] if greedy else []
+    )
     out: dict = {}
-    with bar:
-        for i, (name, temp) in enumerate(passes):
-            done = i * len(tasks)
-            figures = evaluate(
+    with Tracker("eval", len(tasks) * (k + greedy), _console()) as bar:
+        for name, p, samples in passes:
+            done = out.get("n", 0) * k if name == "greedy" else 0
+            results = episodes(
                 runner,
                 env,
                 tasks,
-                SamplingParams(temperature=temp),
+                p,
                 batch_size,
                 seed,
-                progress=lambda k, _t, done=done, name=name: bar.update(
-                    task, completed=done + k, info=name
+                lambda d, _t, passed, done=done, name=name: bar.update(
+                    done + d, f"{name} pass@1 {passed:.3f}"
                 ),
+                samples,
             )
+            figures = summarize(results, success_of(env), samples)
             if name == "sampled":
                 out.update(figures)
+                if show:
+                    out["samples"] = [_sample(runner.tokenizer, r, env) for r in results[:show]]
             else:
                 out["greedy"] = figures
-    out["temperature"] = temperature
+    out["temperature"] = params.temperature
+    out["limits"] = {
+        "max_turn_tokens": params.max_turn_tokens,
+        "max_episode_tokens": params.max_episode_tokens,
+    }
     return out
+
+
+def _sample(tokenizer, result, env) -> dict:
+    from colonnade.envs import success_of
+
+    ep = result.episode
+    return {
+        "task": result.task.id,
+        "question": result.task.question,
+        "completion": tokenizer.decode(ep.tokens, skip_special_tokens=True),
+        "reward": result.score.reward,
+        "solved": bool(success_of(env)(result.score)),
+        "finish": ep.finish,
+    }
+
+
+def _run_settings(args: argparse.Namespace):
+    """(env, env_kwargs, sampling, where the limits come from): as a run with these
+    flags would evaluate (`launch.config.eval_sampling`), then eval's own flags."""
+    from dataclasses import replace
+
+    from colonnade.launch.config import (
+        eval_sampling,
+        preset_for_env,
+        resolve_run_config,
+        role_configs,
+    )
+
+    preset = args.preset or (preset_for_env(args.env) if args.env and not args.config else None)
+    cfg = resolve_run_config(preset, args.config, env_kwargs=env_kwargs(args), env=args.env)
+    trainer, _ = role_configs(cfg)
+    limits = {
+        k: v
+        for k in ("max_turn_tokens", "max_episode_tokens")
+        if (v := getattr(args, k)) is not None
+    }
+    params = replace(eval_sampling(cfg), temperature=args.temperature, **limits)
+    source = "flags" if len(limits) == 2 else f"run preset {cfg.preset}"
+    if args.config and len(limits) < 2:
+        source += f", {args.config}"
+    return cfg.env, trainer.env_kwargs, params, source
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -151,37 +224,61 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .main import CliError
 
-    if args.n < 1 or args.batch_size < 1:
-        raise CliError("-n and --batch-size must be at least 1")
-    kwargs = env_kwargs(args)
+    if min(args.n, args.batch_size, args.k) < 1 or args.show < 0:
+        raise CliError("-n, -k and --batch-size must be at least 1, --show at least 0")
     try:
+        env, kwargs, params, source = _run_settings(args)
         out = run_eval(
             args.model,
-            args.env,
+            env,
             args.split,
             args.n,
-            args.precision,
-            args.device,
-            args.temperature,
-            args.batch_size,
-            args.seed,
-            not args.no_greedy,
-            args.engine,
-            kwargs,
+            params,
+            precision=args.precision,
+            device=args.device,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            greedy=not args.no_greedy,
+            engine=args.engine,
+            env_kwargs=kwargs,
+            k=args.k,
+            show=args.show,
         )
     except (ValueError, FileNotFoundError, MlxUnavailable) as e:
         raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(out))
         return 0
+    _print_samples(out.get("samples", []))
+    _print_figures(out, env, args, source)
+    return 0
+
+
+def _print_samples(samples: list[dict]) -> None:
+    for i, s in enumerate(samples, 1):
+        verdict = "solved" if s["solved"] else "not solved"
+        print(f"--- sample {i}: task {s['task']}, reward {s['reward']:.3f} ({verdict}), "
+              f"ended: {s['finish']}")  # fmt: skip
+        print(f"question: {s['question']}")
+        print(s["completion"])
+    if samples:
+        print("---")
+
+
+def _print_figures(out: dict, env: str, args: argparse.Namespace, source: str) -> None:
     rows = [("sampled", out)] + ([("greedy", out["greedy"])] if "greedy" in out else [])
-    print(f"{args.env} {args.split}, n={out['n']}, {args.precision}; pass@1: {out['success']}")
+    lim = out["limits"]
+    print(f"{env} {args.split}, n={out['n']}, {args.precision}; pass@1: {out['success']}")
+    print(f"limits: {lim['max_turn_tokens']} tokens a turn, {lim['max_episode_tokens']} "
+          f"an episode ({source})")  # fmt: skip
+    if out.get("k"):
+        print(f"k={out['k']} samples a task: pass@{out['k']} = any solved, "
+              f"mean@{out['k']} = share solved")  # fmt: skip
     keys = [k for k, v in out.items() if isinstance(v, float) and k != "temperature"]
     width = max([12, *(len(k) + 2 for k in keys)])
     print(f"{'':10}" + "".join(f"{k:>{width}}" for k in keys))
     for name, figs in rows:
         print(f"{name:10}" + "".join(f"{figs.get(k, float('nan')):>{width}.3f}" for k in keys))
-    return 0
 
 
 def _warmstart(args: argparse.Namespace) -> int:
@@ -204,14 +301,12 @@ def _warmstart(args: argparse.Namespace) -> int:
     )
     if args.good_fraction is not None:
         cfg.good_fraction = args.good_fraction
-    res = cfg.resolved()
-    bar, task = _progress("warm start", total_steps(res))
+    from colonnade.progress import Tracker
+
     try:
-        with bar:
+        with Tracker("warm start", total_steps(cfg.resolved()), _console()) as bar:
             path, built = warmstart(
-                cfg,
-                args.out,
-                progress=lambda s, n, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
+                cfg, args.out, progress=lambda s, _n, loss: bar.update(s, f"loss {loss:.3f}")
             )
     except (ValueError, FileExistsError, TypeError) as e:
         raise CliError(str(e)) from None

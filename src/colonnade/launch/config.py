@@ -23,6 +23,7 @@ from typing import Any
 
 from colonnade.config import load_config
 from colonnade.envs.args import check_env_kwargs
+from colonnade.rollout import SamplingParams
 from colonnade.rollout.worker import WorkerConfig
 from colonnade.train.presets import PRESETS as TRAINER_PRESETS
 from colonnade.train.trainer import TrainerConfig
@@ -133,6 +134,19 @@ def resolve_run_config(
     if cfg.trainer_ranks < 1:
         raise ValueError("trainer_ranks must be >= 1")
     return cfg
+
+
+def preset_for_env(env: str) -> str:
+    """The run preset made for `env` (smoke: smoke, searchqa: demo), else the default."""
+    return next((n for n, p in RUN_PRESETS.items() if p.get("env") == env), RunConfig.preset)
+
+
+def eval_sampling(cfg: RunConfig) -> SamplingParams:
+    """How the run's held-out evaluations sample, and `colonnade eval` by default:
+    the run's eval temperature, the trainer's turn and token limits (the workers'
+    own), so an eval's figures and the run's are of the same episodes."""
+    trainer, _ = role_configs(cfg)
+    return dataclasses.replace(trainer.sampling(), temperature=cfg.eval_temperature)
 
 
 def role_configs(cfg: RunConfig, model_path: str | None = None):

@@ -7,7 +7,6 @@ is that of the policy the fleet runs, not of the trainer's float weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from colonnade.protocol import Follower, RunSpec, keys
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.engine import Engine
-from colonnade.rollout.evaluate import evaluate
+from colonnade.rollout.evaluate import Progress, evaluate
 from colonnade.rollout.loader import engine_for, resolve_engine
 from colonnade.rollout.worker import fetch_model
 from colonnade.store import ObjectStore
@@ -54,7 +53,7 @@ def run_eval(
     n: int,
     params: SamplingParams,
     batch_size: int,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     tasks = list(env.tasks("test"))[:n]
     figures = evaluate(engine, env, tasks, params, batch_size, seed=0, progress=progress)

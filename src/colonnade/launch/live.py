@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
 from colonnade.protocol.presence import alive, worker_heartbeats
@@ -14,19 +12,6 @@ from colonnade.store import ObjectStore
 from colonnade.telemetry import read_rows
 
 ALIVE_SECONDS = 60.0
-
-
-def progress_bar(console: Console) -> Progress:
-    """The bar of long steps (warm start, eval): count, ETA and a free `info` field."""
-    return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        "{task.fields[info]}",
-        console=console,
-        transient=True,
-    )
 
 
 @dataclass

@@ -19,17 +19,17 @@ from rich.live import Live
 
 from colonnade.envs import Demonstrating, load_environment
 from colonnade.model import resolve_model
+from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
 from colonnade.protocol.signing import new_keypair
-from colonnade.rollout import SamplingParams
 from colonnade.rollout.evaluate import figures_line
 from colonnade.store import ObjectStore, open_store
 from colonnade.train.trainer import TrainerConfig
 from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
 from . import evaluation
-from .config import RunConfig, effective_tables, role_configs, to_toml
-from .live import log_line, progress_bar, render, snapshot
+from .config import RunConfig, effective_tables, eval_sampling, role_configs, to_toml
+from .live import log_line, render, snapshot
 from .processes import Child, spawn, stop_all, terminate_as_interrupt, wait_exit
 
 log = logging.getLogger("colonnade.run")
@@ -64,12 +64,8 @@ def _warm(cfg: RunConfig, trainer: TrainerConfig, console: Console) -> str:
         steps=cfg.warmstart_steps,
         drill_steps=cfg.warmstart_drill_steps,
     )
-    steps = total_steps(ws.resolved())
-    with progress_bar(console) as bar:
-        task = bar.add_task("warm start", total=steps, info="")
-        path, built = warmstart(
-            ws, progress=lambda s, n, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}")
-        )
+    with Tracker("warm start", total_steps(ws.resolved()), console) as bar:
+        path, built = warmstart(ws, progress=lambda s, _n, loss: bar.update(s, f"loss {loss:.3f}"))
     console.print(f"warm start: {'built' if built else 'reused'} {path}")
     return str(path)
 
@@ -78,16 +74,15 @@ def _eval(
     cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, which: str, engine, console
 ) -> dict:
     env = load_environment(cfg.env, **trainer.env_kwargs)
-    params = SamplingParams(
-        temperature=cfg.eval_temperature,
-        max_turn_tokens=trainer.max_turn_tokens,
-        max_episode_tokens=trainer.max_episode_tokens,
-    )
     n = min(cfg.eval_n, len(env.tasks("test")))
-    with progress_bar(console) as bar:
-        task = bar.add_task(f"eval {which}", total=n, info="")
+    with Tracker(f"eval {which}", n, console) as bar:
         figures = evaluation.run_eval(
-            engine, env, n, params, cfg.eval_batch, lambda k, _t: bar.update(task, completed=k)
+            engine,
+            env,
+            n,
+            eval_sampling(cfg),
+            cfg.eval_batch,
+            lambda k, _t, passed: bar.update(k, f"pass@1 {passed:.3f}"),
         )
     figures["version"] = engine.version
     store.put(keys.EVAL[which], json.dumps(figures).encode())

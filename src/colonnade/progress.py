@@ -1,0 +1,131 @@
+"""Progress of long work: the warm start, the evaluations, the wait for the first version.
+
+Used by `colonnade run`, `colonnade eval` and `colonnade warmstart`. On a
+terminal it is rich's bar. Anywhere else (output to a file, `--no-live`
+under nohup, CI) a bar prints nothing until it ends, so lines are printed
+instead: one at the first update (the work is under way, and how long it
+is), then one every `every` seconds (default 30, `COLONNADE_PROGRESS_SECONDS`
+sets it) from a background thread, whether or not a step ended in between
+(one eval batch can take minutes on a loaded machine). Nothing is printed
+before the work starts, so an error that stops it stays the only line:
+
+    warm start: 120/800 (15%), loss 1.234, 2m10s elapsed, ETA 12m17s
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+EVERY_S = 30.0
+EVERY_ENV = "COLONNADE_PROGRESS_SECONDS"
+
+
+def interval() -> float:
+    """Seconds between progress lines: COLONNADE_PROGRESS_SECONDS, else 30."""
+    try:
+        value = float(os.environ.get(EVERY_ENV, EVERY_S))
+    except ValueError:
+        return EVERY_S
+    return value if value > 0 else EVERY_S
+
+
+def progress_bar(console: Console) -> Progress:
+    """The bar of long steps on a terminal: count, ETA and a free `info` field."""
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        "{task.fields[info]}",
+        console=console,
+        transient=True,
+    )
+
+
+def duration(seconds: float) -> str:
+    """`45s`, `2m10s`, `1h05m`."""
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Tracker:
+    """`with Tracker("eval", 200) as p: ... p.update(50, "pass@1 0.420")`.
+
+    `total` None: work of unknown length (no percentage, no ETA). `console`:
+    where it goes (default stderr); lines when it is not a terminal.
+    """
+
+    def __init__(
+        self,
+        description: str,
+        total: int | None,
+        console: Console | None = None,
+        every: float | None = None,
+    ) -> None:
+        self.description, self.total = description, total
+        self.console = console or Console(stderr=True)
+        self.every = interval() if every is None else every
+        self.done, self.info = 0, ""
+        self._bar: Progress | None = None
+        self._task = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
+        self._updated = False
+
+    def update(self, done: int, info: str = "") -> None:
+        self.done, self.info = done, info
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, info=info)
+        elif not self._updated and self._thread is not None:
+            self._print()
+        self._updated = True
+
+    def line(self, now: float | None = None) -> str:
+        """`description: done/total (pct%), info, elapsed, ETA`."""
+        elapsed = (time.monotonic() if now is None else now) - self._started
+        parts = [f"{self.done}"]
+        if self.total:
+            parts = [f"{self.done}/{self.total} ({100 * self.done / self.total:.0f}%)"]
+        if self.info:
+            parts.append(self.info)
+        parts.append(f"{duration(elapsed)} elapsed")
+        if self.total and self.done > 0:
+            parts.append(f"ETA {duration(elapsed * (self.total - self.done) / self.done)}")
+        return f"{self.description}: " + ", ".join(parts)
+
+    def __enter__(self) -> Tracker:
+        self._started = time.monotonic()
+        if self.console.is_terminal:
+            self._bar = progress_bar(self.console)
+            self._task = self._bar.add_task(self.description, total=self.total, info=self.info)
+            self._bar.start()
+        else:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="progress")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self._print()
+
+    def _print(self) -> None:
+        out = self.console.file
+        out.write(self.line() + "\n")
+        out.flush()
