@@ -1,8 +1,10 @@
 import json
 
 import pytest
+import torch
 
-from colonnade.bench.rollout import main
+from colonnade.bench.rollout import main, weight_bytes
+from colonnade.model.kernels import KERNELS
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
@@ -12,9 +14,29 @@ KEYS = {"model", "batch", "fp32_tok_s", "int8_tok_s", "hf_generate_tok_s", "peak
 def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path))
     assert main(["--quick", "--repeats", "1", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    rows = [r for r in out if "kind" not in r]
+    (machine,) = [r for r in out if r.get("kind") == "machine"]
     assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 8)]
     for r in rows:
         assert set(r) >= KEYS
         assert r["fp32_tok_s"] > 0 and r["int8_tok_s"] > 0 and r["hf_generate_tok_s"] > 0
         assert r["peak_rss_mb"] > 0
+        assert r["int8_bandwidth_fraction"] > 0 and r["fp32_bandwidth_fraction"] > 0
+    # The machine the figures come from, and the kernels this run measured
+    # for every int8 linear shape of the tiny model at the rows it ran.
+    assert machine["cpu"] and machine["threads"] >= 1 and machine["copy_bandwidth_gb_s"] > 0
+    kernels = machine["int8_kernels"]
+    assert kernels and set(kernels.values()) <= set(KERNELS)
+    assert any(slot.endswith("@1") for slot in kernels)
+
+
+def test_weight_bytes_counts_what_a_step_reads(tiny, tiny_int8):
+    # float linears: 4 bytes a weight; int8 ones: a byte a code and a float32 row scale
+    model, _ = tiny
+    qmodel, _ = tiny_int8
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    n = sum(m.weight.numel() for m in linears)
+    rows = sum(m.weight.shape[0] for m in linears)
+    assert weight_bytes(model) == 4 * n
+    assert weight_bytes(qmodel) == n + 4 * rows

@@ -7,11 +7,19 @@ on the same prompt, and, where MLX is installed, of the MLX engine in
 float32, bfloat16 and int8 (the same published codes in MLX's 8-bit
 layout); and the process's peak RSS during each row. Every configuration is
 warmed up once, then timed `--repeats` times; the median is reported.
+
+It also says what machine the figures come from: the CPU model, the int8
+kernel chosen for each (shape, row bucket) (measured afresh in this run, see
+`colonnade.model.kernels`), and the memory bandwidth of a copy of a large
+array (bytes read plus bytes written, STREAM's convention), against which
+each row states the fraction the engine reaches: bytes of linear weights
+read per step × steps per second ÷ that bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -21,6 +29,7 @@ import time
 import torch
 
 from colonnade.model.device import peak_memory_mb
+from colonnade.model.kernels import planner
 
 MODELS = ("tiny", "smollm2-135m")
 PROMPT = "What protein does the gene GX12 encode? Search before answering."
@@ -74,6 +83,50 @@ def load_engines(name: str, mlx: bool) -> dict:
     return engines
 
 
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second moved by copying an `nbytes` array (read + write), best of runs."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # pages touched before timing
+    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * 4 / best
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bandwidth_bytes(quick: bool) -> int:
+    """Large enough to leave every cache: twice the last-level cache, at least 1 GiB."""
+    if quick:
+        return 64 << 20
+    llc = 0
+    try:
+        for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+            with open(f) as fh:
+                text = fh.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            llc = max(llc, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return max(1 << 30, 2 * llc)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of linear weights (codes and scales, or float weights) one forward step reads."""
+    from colonnade.model.int8 import Int8Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.codes.numel() * m.codes.element_size() + m.scale.numel() * 4
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
 def _time(fn, repeats: int) -> tuple[float, float]:
     """(median tokens/s, peak RSS MB) of `fn`, which returns tokens generated."""
     fn()  # warm-up: first calls at a shape are slower
@@ -87,7 +140,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(rates), peak
 
 
-def measure(engines: dict, batch: int, tokens: int, repeats: int) -> dict:
+def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: float = 0.0) -> dict:
     """One row over `engines` (from `load_engines`); `generate` runs fp32's model."""
     from colonnade.rollout import SamplingParams
 
@@ -125,6 +178,11 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int) -> dict:
     row["ours_fp32_over_generate"] = round(rates["fp32"] / hf_rate, 2)
     if "mlx_int8" in rates:
         row["mlx_int8_over_torch_int8"] = round(rates["mlx_int8"] / rates["int8"], 2)
+    if bandwidth:
+        for label in ("fp32", "int8"):
+            steps_s = rates[label] / batch
+            share = weight_bytes(engines[label].model) * steps_s / bandwidth
+            row[f"{label}_bandwidth_fraction"] = round(share, 3)
     row["peak_rss_mb"] = round(max(*peaks, peak), 1)
     return row
 
@@ -139,19 +197,50 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     mlx = not args.no_mlx and _mlx_or_say()
+    size = bandwidth_bytes(args.quick)
+    log(f"memory bandwidth: copying {size >> 20} MiB")
+    bandwidth = copy_bandwidth(size)
+    planner().forget()  # this run's kernels, measured now (and cached)
     rows = []
     for name in models:
         log(f"loading {name} (fp32 and int8{', and MLX' if mlx else ''})")
         engines = load_engines(name, mlx)
         for b in batches:
             log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
-            rows.append({"model": name, **measure(engines, b, tokens, args.repeats)})
+            rows.append({"model": name, **measure(engines, b, tokens, args.repeats, bandwidth)})
+    machine = machine_row(bandwidth)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([*rows, machine], indent=2))
     else:
         print(markdown_table(rows, mlx))
+        print(machine_text(machine))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
+
+
+def machine_row(bandwidth: float) -> dict:
+    """The machine the rows come from, and the int8 kernels chosen on it."""
+    from colonnade.model.kernels import cpu_model
+
+    return {
+        "kind": "machine",
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "int8_kernels": planner().summary(),
+    }
+
+
+def machine_text(m: dict) -> str:
+    kernels = ", ".join(f"{slot} {name}" for slot, name in m["int8_kernels"].items())
+    return (
+        f"\nCPU: {m['cpu']} ({m['cores']} cores, {m['threads']} threads, "
+        f"{m['cpu_capability']}), torch {m['torch']}, copy bandwidth "
+        f"{m['copy_bandwidth_gb_s']} GB/s\nint8 kernels (out x in @ rows): {kernels}"
+    )
 
 
 def _mlx_or_say() -> bool:
@@ -171,6 +260,8 @@ COLUMNS = [
     ("generate tok/s", "hf_generate_tok_s"),
     ("int8/fp32", "int8_over_fp32"),
     ("ours fp32/generate", "ours_fp32_over_generate"),
+    ("fp32 BW share", "fp32_bandwidth_fraction"),
+    ("int8 BW share", "int8_bandwidth_fraction"),
     ("peak RSS MB", "peak_rss_mb"),
 ]
 MLX_COLUMNS = [
@@ -185,7 +276,7 @@ def markdown_table(rows: list[dict], mlx: bool = False) -> str:
     columns = COLUMNS[:-1] + (MLX_COLUMNS if mlx else []) + COLUMNS[-1:]
     head = "| " + " | ".join(h for h, _ in columns) + " |"
     rule = "|" + "---|" * len(columns)
-    body = ["| " + " | ".join(str(r[k]) for _, k in columns) + " |" for r in rows]
+    body = ["| " + " | ".join(str(r.get(k, "")) for _, k in columns) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 
