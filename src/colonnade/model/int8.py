@@ -76,12 +76,22 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._plan: list[Kernel | None] = [None] * len(ROW_BUCKETS)
         self._packed: dict[str, tuple[torch.Tensor, ...]] = {}
+        # The last call's row count, kernel, packed codes and the float32
+        # tensors it applies, as plain attributes: a decode step calls every
+        # linear with the same rows, and nn.Module's attribute lookup of
+        # buffers costs more than a small matmul's arithmetic.
+        self._last: tuple[int, object, tuple[torch.Tensor, ...]] | None = None
+        # object.__setattr__: a Parameter assigned the usual way would be
+        # registered a second time, under this name.
+        object.__setattr__(self, "_scale", self.scale)
+        object.__setattr__(self, "_bias", self.bias)
 
     def load(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         """A newer version's codes, in place (same shapes)."""
         self.codes.copy_(codes)
         self.scale.copy_(scale)
         self._packed.clear()  # packed again from the new codes at their next call
+        self._last = None
         if bias is not None and self.bias is not None:
             self.bias.data.copy_(bias)
 
@@ -106,13 +116,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        kernel = self.kernel(flat.shape[0])
-        y = kernel.run(flat.to(torch.bfloat16), self.packed(kernel))
+        rows, last = flat.shape[0], self._last
+        if last is None or last[0] != rows:
+            kernel = self.kernel(rows)
+            last = self._last = (rows, kernel.run, self.packed(kernel))
+        y = last[1](flat.to(torch.bfloat16), last[2])
         # bf16 · float32 promotes: the row scale (and bias) apply in float32.
-        if self.bias is None:
-            y = torch.mul(y, self.scale)
+        if self._bias is None:
+            y = torch.mul(y, self._scale)
         else:
-            y = torch.addcmul(self.bias, y, self.scale)
+            y = torch.addcmul(self._bias, y, self._scale)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
