@@ -1,18 +1,20 @@
 """bench e2e: its time-to-target rule on known rows, and one quick run of all cases."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from colonnade.bench.e2e import main, summarize, time_to_target
+from colonnade.protocol.metrics import TrainerRow, WorkerRow
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 
 def _rows(passes, step=2.0, start=100.0):
     return [
-        {"time": start + step * (i + 1), "step_seconds": step, "wait_seconds": step / 4,
-         "pass_rate": p, "episodes": 64}
+        TrainerRow(time=start + step * (i + 1), version=i + 1, step_seconds=step,
+                   wait_seconds=step / 4, pass_rate=p, episodes=64)
         for i, p in enumerate(passes)
     ]  # fmt: skip
 
@@ -27,11 +29,12 @@ def test_time_to_target_needs_a_window_of_versions():
 
 def test_summarize_rates():
     rows = _rows([0.5] * 5)
-    s = summarize(rows, {"w1": [{"episodes": 100}], "w2": [{"episodes": 60}]}, 0.5)
+    workers = {"w1": [WorkerRow(0.0, 0, episodes=100)], "w2": [WorkerRow(0.0, 0, episodes=60)]}
+    s = summarize(rows, workers, 0.5)
     assert s["train_seconds"] == 10.0 and s["episodes_generated_per_s"] == 16.0
     assert s["wait_fraction"] == 0.25 and s["episodes_trained_per_s"] == 32.0
     first_slow = _rows([0.5] * 5)
-    first_slow[0]["wait_seconds"] = 2.0  # all of v1 spent waiting for the fleet
+    first_slow[0] = replace(first_slow[0], wait_seconds=2.0)  # all of v1 waiting for the fleet
     s = summarize(first_slow, {}, 0.5)
     assert s["wait_fraction"] == 0.4 and s["steady_wait_fraction"] == 0.25
 

@@ -32,6 +32,7 @@ from colonnade.store import InvalidObject, LocalStore, ObjectTooLarge, StoreErro
 from colonnade.train.collect import Collector
 from colonnade.train.samples import Sample
 from colonnade.untrusted import json_depth
+from heartbeats import worker_heartbeat
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
@@ -113,9 +114,11 @@ def test_a_deeply_nested_heartbeat_is_skipped(tmp_path):
     store = LocalStore(tmp_path)
     store.put(keys.worker_key("attacker"), DEEP[:50_000] + DEEP[-50_000:])
     store.put(keys.worker_key("nested"), b'{"worker": ' + b"[" * 30 + b"]" * 30 + b"}")
-    store.put(keys.worker_key("honest"), json.dumps({"worker": "honest", "time": 1.0}).encode())
+    store.put(keys.worker_key("honest"), worker_heartbeat("honest").to_json())
+    store.put(keys.worker_key("impostor"), worker_heartbeat("honest", version=9).to_json())
+    store.put(keys.worker_key("partial"), json.dumps({"worker": "partial", "time": 1.0}).encode())
     hb = worker_heartbeats(store)
-    assert set(hb) == {"honest", "workers/nested.json"}
+    assert set(hb) == {"honest"} and hb["honest"].version == 0
 
 
 # -- 2. things that are not files -------------------------------------------------------------

@@ -6,9 +6,9 @@ from rich.console import Console
 
 from colonnade.launch.live import log_line, render, snapshot
 from colonnade.protocol import keys
-from colonnade.protocol.schemas import dumps
 from colonnade.store import LocalStore
 from colonnade.telemetry import Telemetry
+from heartbeats import worker_heartbeat
 
 
 def test_snapshot_and_render(tmp_path):
@@ -17,9 +17,9 @@ def test_snapshot_and_render(tmp_path):
     for v in (1, 2):
         t.row(version=v, reward_mean=0.5, pass_rate=0.25, masked_fraction=0.01,
               wait_fraction=0.3, step_seconds=2.0)  # fmt: skip
-    hb = {"worker": "w1", "version": 2, "time": time.time(), "bytes_synced": 2_500_000}
-    store.put(keys.worker_key("w1"), dumps(hb))
-    store.put(keys.worker_key("old"), dumps({"worker": "old", "version": 0, "time": 0}))
+    hb = worker_heartbeat("w1", version=2, time=time.time(), bytes_synced=2_500_000)
+    store.put(keys.worker_key("w1"), hb.to_json())
+    store.put(keys.worker_key("old"), worker_heartbeat("old", version=0, time=0.0).to_json())
     snap = snapshot(store, max_versions=10)
     assert snap.version == 2 and snap.eta_s == 16.0 and snap.synced_bytes == 2_500_000
     console = Console(record=True, width=100)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from colonnade.protocol import RunSpec, keys
+from colonnade.protocol.documents import Quarantine, QuarantineDecision
 from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import Latest, VersionMeta, dumps
 from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig, pace_quota
@@ -98,7 +99,9 @@ def test_batches_of_quarantined_workers_fill_no_quota(tmp_path):
     w, store = _worker(tmp_path)
     _batch(store, 3, "liar", 0)
     _batch(store, 3, "liar", 1)
-    store.put(keys.QUARANTINE, dumps({"liar": {"reason": "mismatch KL", "version": 2}}))
+    store.put(
+        keys.QUARANTINE, Quarantine({"liar": QuarantineDecision("mismatch KL", 2, 1.0)}).to_json()
+    )
     w.refused = w.read_quarantine()
     assert w.refused == {"liar"} and not w.quota_full()
     _batch(store, 3, "w2", 0)
@@ -111,7 +114,10 @@ def test_a_quarantined_worker_learns_it_and_says_why(tmp_path):
     assert w.read_quarantine() == set()  # no decisions yet
     store.put(keys.QUARANTINE, b"not json")
     assert w.read_quarantine() == set()
-    store.put(keys.QUARANTINE, dumps({"w1": {"reason": "mismatch KL 0.9/token", "version": 4}}))
+    store.put(keys.QUARANTINE, dumps({"w1": {"reason": "mismatch KL", "version": 4}}))
+    assert w.read_quarantine() == set()  # not a decision (no time): not read
+    decision = QuarantineDecision("mismatch KL 0.9/token", 4, 1.0)
+    store.put(keys.QUARANTINE, Quarantine({"w1": decision}).to_json())
     with pytest.raises(Quarantined, match=r"quarantined worker w1 \(mismatch KL 0\.9/token\)"):
         w.read_quarantine()
 

@@ -88,13 +88,13 @@ def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
         groups.append(group)
     m = train_step(model, torch.optim.AdamW(model.parameters()), copy.deepcopy(groups),
                    tok.pad_token_id, StepConfig())  # fmt: skip
-    by = m["gate_by_worker"]
+    by = m.gate_by_worker
     assert set(by) == {"honest", "liar"}
     assert abs(by["honest"]["kl_sum"]) / by["honest"]["tokens"] < 1e-4
     assert abs(by["liar"]["kl_sum"]) / by["liar"]["tokens"] > 1.0
-    assert sum(w["tokens"] for w in by.values()) == m["tokens"]
+    assert sum(w["tokens"] for w in by.values()) == m.tokens
     # The same figures per behaviour version, which quarantine compares.
-    per_v = m["gate_by_version"]
+    per_v = m.gate_by_version
     assert {w: sum(s["tokens"] for s in vs.values()) for w, vs in per_v.items()} == {
         w: s["tokens"] for w, s in by.items()
     }
@@ -110,5 +110,5 @@ def test_ledger_decides_once_and_remembers():
     assert not ledger.judge(1, {**honest, "x": {"0": _s(50, 50, 2.0)}})  # too little yet
     step = {**honest, "x": {"0": _s(100, 100, 2.0)}}
     assert ledger.judge(2, step)  # 150 tokens now: decided
-    assert list(ledger.decisions) == ["x"] and ledger.decisions["x"]["version"] == 2
+    assert list(ledger.decisions) == ["x"] and ledger.decisions["x"].version == 2
     assert not ledger.judge(3, step)  # not decided twice

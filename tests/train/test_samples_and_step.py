@@ -127,9 +127,9 @@ def test_a_step_raises_the_rewarded_episode_and_skips_flat_groups(tiny_dir, sqa)
 
     before = model_sums(lp)
     m = train_step(model, opt, [group, flat], tok.pad_token_id, StepConfig())
-    assert m["groups"] == 2 and m["groups_skipped"] == 1 and m["episodes"] == 4
-    assert m["masked_fraction"] == 0.0 and abs(m["mismatch_kl"]) < 1e-4
-    assert m["reward_mean"] == 0.25 and m["pass_rate"] == 0.25
+    assert m.groups == 2 and m.groups_skipped == 1 and m.episodes == 4
+    assert m.masked_fraction == 0.0 and abs(m.mismatch_kl) < 1e-4
+    assert m.reward_mean == 0.25 and m.pass_rate == 0.25
     with torch.no_grad():
         after = model_sums(policy_logprobs(model, group, tok.pad_token_id, 1.0))
     assert after[0] > before[0] and after[1] < before[1]

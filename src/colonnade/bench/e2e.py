@@ -26,6 +26,10 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from colonnade.protocol.metrics import TrainerRow, WorkerRow
 
 CASES = (
     ("async, 2 workers", 2, 2),
@@ -49,25 +53,27 @@ def log(msg: str) -> None:
 
 
 def time_to_target(
-    rows: list[dict], target: float, window: int = 3, steady: bool = False
+    rows: list[TrainerRow], target: float, window: int = 3, steady: bool = False
 ) -> float | None:
     """Seconds from the trainer's start (`steady`: from the end of its first
     version) until `window` versions average `target` pass rate."""
     if not rows:
         return None
-    t0 = rows[0]["time"] - (0.0 if steady else rows[0].get("step_seconds", 0.0))
+    t0 = rows[0].time - (0.0 if steady else rows[0].step_seconds)
     for i in range(window - 1, len(rows)):
-        recent = [r["pass_rate"] for r in rows[i - window + 1 : i + 1]]
+        recent = [r.pass_rate for r in rows[i - window + 1 : i + 1]]
         if sum(recent) / window >= target:
-            return rows[i]["time"] - t0
+            return rows[i].time - t0
     return None
 
 
-def summarize(trainer: list[dict], workers: dict[str, list[dict]], target: float) -> dict:
+def summarize(
+    trainer: list[TrainerRow], workers: dict[str, list[WorkerRow]], target: float
+) -> dict:
     """The figures of one case from its metric rows."""
-    t0 = trainer[0]["time"] - trainer[0].get("step_seconds", 0.0)
-    span = max(1e-9, trainer[-1]["time"] - t0)
-    generated = sum(r.get("episodes", 0) for rows in workers.values() for r in rows)
+    t0 = trainer[0].time - trainer[0].step_seconds
+    span = max(1e-9, trainer[-1].time - t0)
+    generated = sum(r.episodes for rows in workers.values() for r in rows)
     return {
         "time_to_target_s": time_to_target(trainer, target),
         "steady_to_target_s": time_to_target(trainer, target, steady=True),
@@ -76,21 +82,21 @@ def summarize(trainer: list[dict], workers: dict[str, list[dict]], target: float
         "wait_fraction": _wait(trainer),
         "steady_wait_fraction": _wait(trainer[1:]),
         "episodes_generated_per_s": round(generated / span, 2),
-        "episodes_trained_per_s": round(sum(r["episodes"] for r in trainer) / span, 2),
-        "final_pass_rate": round(sum(r["pass_rate"] for r in trainer[-3:]) / 3, 3),
+        "episodes_trained_per_s": round(sum(r.episodes for r in trainer) / span, 2),
+        "final_pass_rate": round(sum(r.pass_rate for r in trainer[-3:]) / 3, 3),
     }
 
 
-def _wait(rows: list[dict]) -> float:
-    step = sum(r.get("step_seconds", 0.0) for r in rows)
-    return round(sum(r.get("wait_seconds", 0.0) for r in rows) / step, 4) if step else 0.0
+def _wait(rows: list[TrainerRow]) -> float:
+    step = sum(r.step_seconds for r in rows)
+    return round(sum(r.wait_seconds for r in rows) / step, 4) if step else 0.0
 
 
 def run_case(out: Path, lag: int, workers: int, versions: int, target: float) -> dict:
     from colonnade.launch import resolve_run_config
     from colonnade.launch.run import launch
     from colonnade.store import LocalStore
-    from colonnade.telemetry import read_rows
+    from colonnade.telemetry import read_trainer_rows, read_worker_rows
 
     cfg = resolve_run_config(
         "smoke", out=str(out), workers=workers, eval_n=0, live=False,
@@ -100,8 +106,7 @@ def run_case(out: Path, lag: int, workers: int, versions: int, target: float) ->
     if report["status"] != "finished":
         raise SystemExit(f"error: the run in {out} ended {report['status']}")
     store = LocalStore(out / "store")
-    rows = read_rows(store, "trainer")["trainer-main"]
-    return summarize(rows, read_rows(store, "worker"), target)
+    return summarize(read_trainer_rows(store), read_worker_rows(store), target)
 
 
 def _speedup(rows: list[dict], workers: int, field: str = "time_to_target_s") -> float | None:

@@ -184,11 +184,11 @@ def run_case(spec: dict) -> dict | None:
         "model": label, "device": where.device.type, "dtype": spec["dtype"],
         "grad_ckpt": spec["grad_ckpt"], "ranks": where.world, "fsdp": where.sharded,
         "step_s": round(statistics.median(timed), 3),
-        "tokens_per_s": round(first["tokens"] / statistics.median(timed), 1),
+        "tokens_per_s": round(first.tokens / statistics.median(timed), 1),
         "peak_mem_mb": round(peak, 1), "step_mem_mb": round(peak - base, 1),
         "publish_s": round(statistics.median(publish), 3),
         "publish_blocked_s": round(statistics.median(blocked[1:] or blocked), 3),
-        "loss": first["loss"], "grad_norm": first["grad_norm"], "tokens": first["tokens"],
+        "loss": first.loss, "grad_norm": first.grad_norm, "tokens": first.tokens,
     }  # fmt: skip
 
 

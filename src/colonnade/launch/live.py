@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
+from colonnade.protocol.documents import WorkerHeartbeat
+from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.presence import alive, worker_heartbeats
 from colonnade.store import ObjectStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import read_trainer_rows
 
 ALIVE_SECONDS = 60.0
 
@@ -18,9 +20,9 @@ ALIVE_SECONDS = 60.0
 class Snapshot:
     version: int = 0
     max_versions: int = 0
-    last: dict = field(default_factory=dict)  # the trainer's newest row
+    last: TrainerRow | None = None  # the trainer's newest row
     step_seconds: list[float] = field(default_factory=list)
-    workers: dict[str, dict] = field(default_factory=dict)  # id -> heartbeat
+    workers: dict[str, WorkerHeartbeat] = field(default_factory=dict)  # id -> heartbeat
     synced_bytes: int = 0
 
     @property
@@ -32,16 +34,16 @@ class Snapshot:
 
 
 def snapshot(store: ObjectStore, max_versions: int) -> Snapshot:
-    rows = read_rows(store, "trainer").get("trainer-main", [])
+    rows = read_trainer_rows(store)
     snap = Snapshot(max_versions=max_versions)
     if rows:
         snap.last = rows[-1]
-        snap.version = int(rows[-1].get("version", 0))
-        snap.step_seconds = [r.get("step_seconds", 0.0) for r in rows]
+        snap.version = rows[-1].version
+        snap.step_seconds = [r.step_seconds for r in rows]
     snap.workers = worker_heartbeats(store)
     # From the heartbeats already read: the metric files grow with the run and
     # would be re-read every second.
-    snap.synced_bytes = sum(int(hb.get("bytes_synced", 0)) for hb in snap.workers.values())
+    snap.synced_bytes = sum(hb.bytes_synced for hb in snap.workers.values())
     return snap
 
 
@@ -50,15 +52,15 @@ def render(snap: Snapshot, phase: str) -> Table:
     last = snap.last
     eta = snap.eta_s
     t.add_row("version", f"{snap.version} / {snap.max_versions}")
-    if last:
-        t.add_row("reward (train)", f"{last.get('reward_mean', 0):.3f}")
-        t.add_row("pass rate (train)", f"{last.get('pass_rate', 0):.3f}")
-        t.add_row("gate masked", f"{last.get('masked_fraction', 0):.4f}")
-        t.add_row("trainer waiting", f"{100 * last.get('wait_fraction', 0):.0f}%")
+    if last is not None:
+        t.add_row("reward (train)", f"{last.reward_mean:.3f}")
+        t.add_row("pass rate (train)", f"{last.pass_rate:.3f}")
+        t.add_row("gate masked", f"{last.masked_fraction:.4f}")
+        t.add_row("trainer waiting", f"{100 * last.wait_fraction:.0f}%")
     live = alive(snap.workers, time.time(), ALIVE_SECONDS)
     t.add_row(
         "workers alive",
-        f"{len(live)}: " + ", ".join(f"{w}@v{hb.get('version')}" for w, hb in sorted(live.items())),
+        f"{len(live)}: " + ", ".join(f"{w}@v{hb.version}" for w, hb in sorted(live.items())),
     )
     t.add_row("bytes synced", f"{snap.synced_bytes / 1e6:.2f} MB")
     t.add_row("ETA", "-" if eta is None else f"{eta:.0f} s")
@@ -67,9 +69,9 @@ def render(snap: Snapshot, phase: str) -> Table:
 
 def log_line(snap: Snapshot) -> str:
     """The same facts on one line, for --no-live and non-terminal output."""
-    last = snap.last
+    last = snap.last or TrainerRow(time=0.0, version=0)  # zeros before the first row
     return (
-        f"v{snap.version}/{snap.max_versions} reward {last.get('reward_mean', 0):.3f} "
-        f"pass {last.get('pass_rate', 0):.3f} masked {last.get('masked_fraction', 0):.4f} "
+        f"v{snap.version}/{snap.max_versions} reward {last.reward_mean:.3f} "
+        f"pass {last.pass_rate:.3f} masked {last.masked_fraction:.4f} "
         f"workers {len(snap.workers)} synced {snap.synced_bytes / 1e6:.2f} MB"
     )

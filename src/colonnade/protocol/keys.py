@@ -10,9 +10,14 @@
 | weights/latest.json                        | trainer (hint) |
 | rollouts/{v:08d}/{worker}/{seq:06d}.safetensors.zst | worker |
 | workers/{worker}.json                      | worker         |
-| trainer/...                                | trainer        |
+| trainer/heartbeat.json, keys.json, quarantine.json, done.json | trainer |
+| trainer/consumed/{v:08d}-{instance}.json   | trainer        |
+| trainer/checkpoints/{v:08d}/...            | trainer        |
 | metrics/{role}-{id}/{seg:06d}.jsonl        | each process   |
 | report/launch.json, report/eval-*.json     | colonnade run  |
+
+Every key is built, and every listed key parsed, here: no other module
+spells a key or a prefix.
 """
 
 from __future__ import annotations
@@ -31,12 +36,33 @@ QUARANTINE = "trainer/quarantine.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 ROLLOUT_EXT = ".safetensors.zst"
+# Prefixes a process lists (and the trainer cleans of partial uploads).
+WEIGHTS = "weights/"
+ROLLOUTS = "rollouts/"
+WORKERS = "workers/"
+TRAINER = "trainer/"
+CONSUMED = "trainer/consumed/"
+CHECKPOINTS = "trainer/checkpoints/"
+CHECKPOINT_STATE = "state.json"  # a checkpoint's last object
+METRICS = "metrics/"
 
 # fullmatch with explicit ASCII classes: `$` would let a trailing newline
 # through, and `\d` any Unicode digit.
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _ROLLOUT = re.compile(
     r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.safetensors\.zst"
+)
+_VERSION_DIR = re.compile(r"(weights|rollouts)/([0-9]{8})/.+", re.DOTALL)
+_META = re.compile(r"weights/([0-9]{8})/meta\.json")
+_WORKER = re.compile(r"workers/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.json")
+# Ledgers of earlier releases have no instance.
+_CONSUMED = re.compile(r"trainer/consumed/([0-9]{8})(?:-([A-Za-z0-9]{1,64}))?\.json")
+_INSTANCE = re.compile(r"[A-Za-z0-9]{1,64}")
+_CHECKPOINT = re.compile(r"trainer/checkpoints/([0-9]{8})/(.+)")
+_ROLE = re.compile(r"[a-z]{1,16}")
+# metrics/{role}-{id}/{seg}.jsonl, or one metrics/{role}-{id}.jsonl of earlier releases
+_METRICS = re.compile(
+    r"metrics/([a-z]{1,16})-([A-Za-z0-9][A-Za-z0-9_.-]{0,63})(?:/([0-9]{6}))?\.jsonl"
 )
 
 
@@ -69,6 +95,19 @@ def meta_key(v: int) -> str:
     return f"{weights_dir(v)}meta.json"
 
 
+def parse_meta_key(key: str) -> int | None:
+    """The version of a `weights/{v}/meta.json` key, None for anything else."""
+    m = _META.fullmatch(key) if isinstance(key, str) else None
+    return int(m[1]) if m else None
+
+
+def parse_version_dir(key: str) -> tuple[str, int] | None:
+    """("weights" | "rollouts", v) of any object under `weights/{v}/` or
+    `rollouts/{v}/` (well-formed or not), None for anything else."""
+    m = _VERSION_DIR.fullmatch(key) if isinstance(key, str) else None
+    return (m[1], int(m[2])) if m else None
+
+
 def rollouts_dir(v: int) -> str:
     return f"rollouts/{v:08d}/"
 
@@ -84,13 +123,59 @@ def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
 
 
 def worker_key(worker: str) -> str:
-    return f"workers/{check_worker_id(worker)}.json"
+    return f"{WORKERS}{check_worker_id(worker)}.json"
 
 
-def consumed_key(v: int) -> str:
-    """The rollouts that trained version v (written before v is published)."""
-    return f"trainer/consumed/{v:08d}.json"
+def parse_worker_key(key: str) -> str | None:
+    """The worker of a heartbeat key `workers/{worker}.json`, None for anything else."""
+    m = _WORKER.fullmatch(key) if isinstance(key, str) else None
+    return m[1] if m else None
+
+
+def consumed_key(v: int, instance: str) -> str:
+    """The rollouts that trained version v, by trainer `instance` (written
+    before v is published; a resumed trainer is another instance and writes
+    its own ledger beside one a killed one may have left)."""
+    if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
+        raise ValueError(f"invalid trainer instance {instance!r}: 1-64 ASCII letters or digits")
+    return f"{CONSUMED}{v:08d}-{instance}.json"
+
+
+def parse_consumed_key(key: str) -> tuple[int, str] | None:
+    """(version, instance) of a ledger key; instance "" for a ledger of an
+    earlier release (`{v:08d}.json`); None for anything else."""
+    m = _CONSUMED.fullmatch(key) if isinstance(key, str) else None
+    return (int(m[1]), m[2] or "") if m else None
 
 
 def checkpoint_dir(v: int) -> str:
-    return f"trainer/checkpoints/{v:08d}/"
+    return f"{CHECKPOINTS}{v:08d}/"
+
+
+def checkpoint_state_key(v: int) -> str:
+    """A checkpoint's state.json, written once every shard is up."""
+    return checkpoint_dir(v) + CHECKPOINT_STATE
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, str] | None:
+    """(version, file name) of a key under `trainer/checkpoints/{v}/`, None otherwise."""
+    m = _CHECKPOINT.fullmatch(key) if isinstance(key, str) else None
+    return (int(m[1]), m[2]) if m else None
+
+
+def metrics_dir(role: str, ident: str) -> str:
+    """The folder of one process's metric segments."""
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        raise ValueError(f"invalid role {role!r}: 1-16 lowercase letters")
+    return f"{METRICS}{role}-{check_worker_id(ident)}/"
+
+
+def metrics_key(role: str, ident: str, segment: int) -> str:
+    return f"{metrics_dir(role, ident)}{segment:06d}.jsonl"
+
+
+def parse_metrics_key(key: str) -> tuple[str, str, int] | None:
+    """(role, id, segment) of a metric segment key; segment -1 for the
+    whole-file `metrics/{role}-{id}.jsonl` of earlier releases; None otherwise."""
+    m = _METRICS.fullmatch(key) if isinstance(key, str) else None
+    return (m[1], m[2], int(m[3]) if m[3] else -1) if m else None

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
-from .schemas import MAX_JSON_BYTES, loads
+from . import keys
+from .documents import WorkerHeartbeat, read_document
+from .schemas import SchemaError
 
 
-def worker_heartbeats(store: ObjectStore) -> dict[str, dict]:
-    """{worker id: heartbeat} of every worker that wrote one; unreadable ones skipped."""
+def worker_heartbeats(store: ObjectStore) -> dict[str, WorkerHeartbeat]:
+    """{worker id: heartbeat} of every worker that wrote one; one that does
+    not read, or names another worker than its key, is skipped."""
     out = {}
-    for key in store.list("workers/"):
+    for key in store.list(keys.WORKERS):
+        worker = keys.parse_worker_key(key)
+        if worker is None:
+            continue
         try:
-            hb = loads(store.get(key, max_bytes=MAX_JSON_BYTES))
+            hb = read_document(store, key, WorkerHeartbeat)
         except StoreUnavailable:
             raise
-        except (StoreError, ValueError):  # not an object, too large, not our JSON
+        except (StoreError, SchemaError):  # too large, not our JSON, not a heartbeat
             continue
-        worker = hb.get("worker")
-        out[worker if isinstance(worker, str) else key] = hb
+        if hb is not None and hb.worker == worker:
+            out[worker] = hb
     return out
 
 
@@ -26,13 +32,15 @@ def fresh_workers(store: ObjectStore, now: float, timeout: float) -> set[str]:
     """Workers whose heartbeat object was written in the last `timeout` seconds:
     one listing, however many workers (clocks assumed within a few seconds)."""
     out = set()
-    for key, t in store.list_times("workers/").items():
-        worker = key.removeprefix("workers/").removesuffix(".json")
-        if key.endswith(".json") and "/" not in worker and now - t < timeout:
+    for key, t in store.list_times(keys.WORKERS).items():
+        worker = keys.parse_worker_key(key)
+        if worker is not None and now - t < timeout:
             out.add(worker)
     return out
 
 
-def alive(heartbeats: dict[str, dict], now: float, timeout: float) -> dict[str, dict]:
+def alive(
+    heartbeats: dict[str, WorkerHeartbeat], now: float, timeout: float
+) -> dict[str, WorkerHeartbeat]:
     """The heartbeats younger than `timeout` seconds."""
-    return {w: hb for w, hb in heartbeats.items() if now - float(hb.get("time", 0)) < timeout}
+    return {w: hb for w, hb in heartbeats.items() if now - hb.time < timeout}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,7 @@ def loads(data: bytes, limit: int = MAX_JSON_BYTES, unique: bool = False) -> dic
 
 
 def _same_fields(cls, d: dict, what: str) -> None:
-    names = set(cls.__dataclass_fields__)
+    names = {f.name for f in fields(cls)}  # ClassVars aside
     _need(set(d) == names, f"{what} fields differ: {sorted(set(d) ^ names)}")
 
 

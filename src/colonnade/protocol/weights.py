@@ -142,10 +142,10 @@ def latest_version(store: ObjectStore) -> int | None:
     latest = read_latest(store)
     v = latest.version if latest is not None else None
     if v is None:
-        found = [k for k in store.list("weights/") if k.endswith("/meta.json")]
+        found = [v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None]
         if not found:
             return None
-        v = max(int(k.split("/")[1]) for k in found)
+        v = max(found)
     while store.exists(keys.meta_key(v + 1)):
         v += 1
     return v

@@ -15,13 +15,22 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from dataclasses import asdict
 
 from colonnade.protocol import RunSpec, keys, read_meta
+from colonnade.protocol.documents import ConsumedLedger, Quarantine, read_document
+from colonnade.protocol.metrics import REJECTED_PREFIX, TrainerRow, WorkerRow, declared
 from colonnade.protocol.presence import worker_heartbeats
-from colonnade.protocol.schemas import MAX_JSON_BYTES
+from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
 from colonnade.store import NotFound, ObjectStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import read_trainer_rows, read_worker_rows
 from colonnade.train.quarantine import accumulate, figures
+
+# The trainer's figures per version in report.json's "series" (besides wall_s).
+SERIES = declared(
+    ("version", "reward_mean", "pass_rate", "masked_fraction", "mismatch_kl", "patch_bytes",
+     "wait_fraction", "loss"), (TrainerRow,),
+)  # fmt: skip
 
 
 def _json(store: ObjectStore, key: str):
@@ -37,7 +46,7 @@ def read_launch(store: ObjectStore) -> dict | None:
 
 def _versions(store: ObjectStore) -> list[dict]:
     """The versions still in the store (retention deletes old ones)."""
-    found = sorted(int(k.split("/")[1]) for k in store.list("weights/") if k.endswith("/meta.json"))
+    found = sorted(v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None)
     out = []
     for v in found:
         meta = read_meta(store, v)
@@ -54,60 +63,61 @@ def _versions(store: ObjectStore) -> list[dict]:
     return out
 
 
-def _workers(store: ObjectStore, trainer_rows: list[dict]) -> dict[str, dict]:
-    rows = read_rows(store, "worker")
-    consumed = trainer_rows[-1].get("per_worker", {}) if trainer_rows else {}
+def _worker(rows: list[WorkerRow], accepted: dict[str, int], gate: dict | None, hb) -> dict:
+    busy = sum(r.seconds for r in rows)
+    episodes = sum(r.episodes for r in rows)
+    return {
+        "batches": len(rows),
+        "episodes": episodes,
+        "tokens": sum(r.tokens for r in rows),
+        "episodes_per_s": round(episodes / busy, 3) if busy else 0.0,
+        "sync_bytes": sum(r.sync_bytes for r in rows),
+        "store_errors": sum(r.store_errors for r in rows),
+        "groups_accepted": accepted.get("groups", 0),
+        "rejected": {k: n for k, n in accepted.items() if k != "groups"},
+        "gate_masked_fraction": round(figures(gate)[1], 5) if gate else None,
+        "mismatch_kl": round(figures(gate)[0], 6) if gate else None,
+        "engine": hb.engine if hb else None,
+        "last_version": hb.version if hb else None,
+    }
+
+
+def _workers(store: ObjectStore, trainer_rows: list[TrainerRow]) -> dict[str, dict]:
+    consumed = trainer_rows[-1].per_worker if trainer_rows else {}
     gate: dict[str, dict] = {}
     for r in trainer_rows:
-        accumulate(gate, r.get("gate_by_worker") or {})
+        accumulate(gate, r.gate_by_worker)
     heartbeats = worker_heartbeats(store)
-    out = {}
-    for name, wrows in rows.items():
-        wid = name.removeprefix("worker-")
-        busy = sum(r.get("seconds", 0.0) for r in wrows)
-        episodes = sum(r.get("episodes", 0) for r in wrows)
-        hb = heartbeats.get(wid, {})
-        out[wid] = {
-            "batches": len(wrows),
-            "episodes": episodes,
-            "tokens": sum(r.get("tokens", 0) for r in wrows),
-            "episodes_per_s": round(episodes / busy, 3) if busy else 0.0,
-            "sync_bytes": sum(r.get("sync_bytes", 0) for r in wrows),
-            "store_errors": sum(r.get("store_errors", 0) for r in wrows),
-            "groups_accepted": consumed.get(wid, {}).get("groups", 0),
-            "rejected": {k: n for k, n in consumed.get(wid, {}).items() if k != "groups"},
-            "gate_masked_fraction": round(figures(gate[wid])[1], 5) if wid in gate else None,
-            "mismatch_kl": round(figures(gate[wid])[0], 6) if wid in gate else None,
-            "engine": hb.get("engine"),
-            "last_version": hb.get("version"),
-        }
-    return out
+    return {
+        wid: _worker(rows, consumed.get(wid, {}), gate.get(wid), heartbeats.get(wid))
+        for wid, rows in read_worker_rows(store).items()
+    }
 
 
-def _trained_batches(store: ObjectStore, rows: list[dict]) -> int:
+def _trained_batches(store: ObjectStore, rows: list[TrainerRow]) -> int:
     """Batches trained on: from the metric rows (retention deletes old
-    ledgers); from the ledgers for runs whose rows do not say."""
-    if rows and all("batches_trained" in r for r in rows):
-        return sum(r["batches_trained"] for r in rows)
-    return sum(
-        len(json.loads(store.get(k, max_bytes=64 << 20))["keys"])
-        for k in store.list("trainer/consumed/")
-    )
+    ledgers); from the ledgers when there are no rows."""
+    if rows:
+        return sum(r.batches_trained for r in rows)
+    total = 0
+    for k in store.list(keys.CONSUMED):
+        if keys.parse_consumed_key(k) is not None:
+            ledger = read_document(store, k, ConsumedLedger)
+            total += len(ledger.keys) if ledger is not None else 0
+    return total
 
 
-def _series(rows: list[dict], t0: float) -> dict[str, list]:
-    fields = (
-        "version",
-        "reward_mean",
-        "pass_rate",
-        "masked_fraction",
-        "mismatch_kl",
-        "patch_bytes",
-        "wait_fraction",
-        "loss",
-    )
-    out = {f: [r.get(f) for r in rows] for f in fields}
-    out["wall_s"] = [round(r.get("time", t0) - t0, 2) for r in rows]
+def _quarantined(store: ObjectStore) -> dict[str, dict]:
+    try:
+        found = read_document(store, keys.QUARANTINE, Quarantine)
+    except SchemaError:
+        return {}
+    return {w: asdict(d) for w, d in found.decisions.items()} if found is not None else {}
+
+
+def _series(rows: list[TrainerRow], t0: float) -> dict[str, list]:
+    out = {f: [getattr(r, f) for r in rows] for f in SERIES}
+    out["wall_s"] = [round(r.time - t0, 2) for r in rows]
     return out
 
 
@@ -120,19 +130,19 @@ def build_report(store: ObjectStore) -> dict:
         if not launch:
             raise
         spec = None  # the launcher stopped before the trainer created the run
-    rows = read_rows(store, "trainer").get("trainer-main", [])
+    rows = read_trainer_rows(store)
     versions = _versions(store)
     patches = [v["patch_bytes"] for v in versions if v["version"] > 0]
-    tokens = sum(r.get("tokens", 0) for r in rows)
-    masked = sum(r.get("masked_fraction", 0.0) * r.get("tokens", 0) for r in rows)
-    step_s = sum(r.get("step_seconds", 0.0) for r in rows)
+    tokens = sum(r.tokens for r in rows)
+    masked = sum(r.masked_fraction * r.tokens for r in rows)
+    step_s = sum(r.step_seconds for r in rows)
     staleness: Counter = Counter()
     for r in rows:
-        staleness.update({int(k): n for k, n in (r.get("staleness") or {}).items()})
-    last = rows[-1] if rows else {}
-    t0 = launch.get("started") or (rows[0]["time"] - rows[0].get("step_seconds", 0) if rows else 0)
-    wall = launch.get("wall_s") or (round(last["time"] - t0, 1) if rows else 0.0)
-    consumed, rejected = _trained_batches(store, rows), int(last.get("batches_rejected", 0))
+        staleness.update({int(k): n for k, n in r.staleness.items() if k.isdigit()})
+    counts = rows[-1].counts if rows else {}  # cumulative: the last row's
+    t0 = launch.get("started") or (rows[0].time - rows[0].step_seconds if rows else 0)
+    wall = launch.get("wall_s") or (round(rows[-1].time - t0, 1) if rows else 0.0)
+    consumed, rejected = _trained_batches(store, rows), counts.get("batches_rejected", 0)
     # Counted by the workers themselves (a row per batch uploaded): the
     # trainer's stale counter misses batches that land after their version
     # left the window, and retention deletes old rollouts.
@@ -153,20 +163,20 @@ def build_report(store: ObjectStore) -> dict:
         # Uploaded groups never trained on, over uploaded groups: what the
         # fleet made for nothing (stale, rejected, replayed, surplus).
         "waste_fraction": _waste(workers, rows, spec),
-        "episodes_consumed": sum(r.get("episodes", 0) for r in rows),
-        "rollouts_dropped_stale": int(last.get("batches_dropped_stale", 0)),
+        "episodes_consumed": sum(r.episodes for r in rows),
+        "rollouts_dropped_stale": counts.get("batches_dropped_stale", 0),
         "rollouts_rejected": rejected,
-        "groups_rejected": int(last.get("groups_rejected", 0)),
+        "groups_rejected": counts.get("groups_rejected", 0),
         "rejected_by_reason": {
-            k.removeprefix("rejected_"): int(n)
-            for k, n in sorted(last.items())
-            if k.startswith("rejected_")
+            k.removeprefix(REJECTED_PREFIX): n
+            for k, n in sorted(counts.items())
+            if k.startswith(REJECTED_PREFIX)
         },
         "signed": spec.signed if spec else None,
-        "quarantined": _json(store, keys.QUARANTINE) or {},
+        "quarantined": _quarantined(store),
         "gate": {
             "masked_fraction": round(masked / tokens, 5) if tokens else 0.0,
-            "mismatch_kl_mean": _mean(r.get("mismatch_kl") for r in rows),
+            "mismatch_kl_mean": _mean(r.mismatch_kl for r in rows),
         },
         "sync": {
             "full_bytes": next((v["bytes"] for v in versions if v["kind"] == "full"), None),
@@ -176,27 +186,29 @@ def build_report(store: ObjectStore) -> dict:
         },
         "staleness": {str(k): n for k, n in sorted(staleness.items())},
         "wall_s": wall,
-        "trainer_wait_fraction": _share(rows, "wait_seconds", step_s),
+        "trainer_wait_fraction": _share([r.wait_seconds for r in rows], step_s),
         # The share of step time spent waiting for the previous background publication.
-        "trainer_publish_blocked_fraction": _share(rows, "publish_blocked_seconds", step_s),
-        "publish_seconds_median": _median(r.get("publish_seconds") for r in rows),
+        "trainer_publish_blocked_fraction": _share(
+            [r.publish_blocked_seconds for r in rows], step_s
+        ),
+        "publish_seconds_median": _median(r.publish_seconds for r in rows),
         "max_lag": spec.max_lag if spec else None,
         "series": _series(rows, t0),
         "versions": versions,
     }
 
 
-def _waste(workers: dict, rows: list[dict], spec) -> float | None:
+def _waste(workers: dict, rows: list[TrainerRow], spec) -> float | None:
     episodes = sum(w["episodes"] for w in workers.values())
     if spec is None or not episodes:
         return None
     uploaded = episodes / spec.group_size
-    trained = sum(r.get("groups", 0) for r in rows)
+    trained = sum(r.groups for r in rows)
     return round(max(0.0, 1.0 - trained / uploaded), 4)
 
 
-def _share(rows: list[dict], key: str, total: float) -> float | None:
-    return round(sum(r.get(key, 0.0) for r in rows) / total, 4) if total else None
+def _share(seconds: list[float], total: float) -> float | None:
+    return round(sum(seconds) / total, 4) if total else None
 
 
 def _median(values) -> float | None:

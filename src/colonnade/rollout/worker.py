@@ -40,8 +40,10 @@ from colonnade.protocol import (
     keys,
     read_latest,
 )
+from colonnade.protocol.documents import Quarantine, WorkerHeartbeat, read_document
+from colonnade.protocol.metrics import WorkerRow
 from colonnade.protocol.polling import moving_gap, poll_interval
-from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, dumps, loads
+from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
 from colonnade.protocol.signing import load_private, sign
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.store.retry import backoff
@@ -317,20 +319,20 @@ class Worker:
                 return key
 
     def heartbeat(self) -> None:
-        doc = {
-            "worker": self.id,
-            "host": socket.gethostname(),
-            "platform": platform.platform(),
-            "device": str(self.device),
-            "engine": self.engine_label(),
-            "threads": torch.get_num_threads(),
-            "version": self.running_version,
-            "batches": self.batches,
-            "bytes_synced": self.follower.bytes_read,  # weights downloaded by this process
-            "time": time.time(),
-            "started": self.started,
-        }
-        self.store.put(keys.worker_key(self.id), dumps(doc))
+        hb = WorkerHeartbeat(
+            worker=self.id,
+            host=socket.gethostname(),
+            platform=platform.platform(),
+            device=str(self.device),
+            engine=self.engine_label(),
+            threads=torch.get_num_threads(),
+            version=self.running_version,
+            batches=self.batches,
+            bytes_synced=self.follower.bytes_read,
+            time=time.time(),
+            started=self.started,
+        )
+        self.store.put(keys.worker_key(self.id), hb.to_json())
         self._beat = time.monotonic()
 
     def done(self) -> bool:
@@ -340,16 +342,16 @@ class Worker:
     def read_quarantine(self) -> set[str]:
         """The workers the trainer refuses; raises Quarantined if this is one."""
         try:
-            doc = loads(self.store.get(keys.QUARANTINE, max_bytes=MAX_JSON_BYTES))
-        except (NotFound, SchemaError):
+            found = read_document(self.store, keys.QUARANTINE, Quarantine)
+        except SchemaError:
             return set()
-        if self.id in doc:
-            why = doc[self.id].get("reason", "") if isinstance(doc[self.id], dict) else ""
+        decisions = found.decisions if found is not None else {}
+        if self.id in decisions:
             raise Quarantined(
-                f"the trainer quarantined worker {self.id} ({why}) and refuses its batches; "
-                "check its weights and engine, then rejoin under a new id"
+                f"the trainer quarantined worker {self.id} ({decisions[self.id].reason}) and "
+                "refuses its batches; check its weights and engine, then rejoin under a new id"
             )
-        return set(doc)
+        return set(decisions)
 
     def quota_full(self) -> bool:
         """Whether the store holds `pace_quota` groups of our version (batches
@@ -399,7 +401,8 @@ class Worker:
     def record(self, batch: RolloutBatch, seconds: float) -> None:
         newest = self.pointer.version if self.pointer is not None else None
         eps = [e for g in batch.groups for e in g.episodes]
-        row = dict(
+        row = WorkerRow(
+            time=time.time(),
             version=batch.version,
             version_skew=(newest or batch.version) - batch.version,
             episodes=len(eps),
@@ -407,9 +410,9 @@ class Worker:
             seconds=round(seconds, 3),
             reward_mean=batch.stats.get("reward_claimed", 0.0),
             **self.pending,
-            **{k: round(v, 3) for k, v in self.pending_time.items() if v},
+            **{k: round(v, 3) for k, v in self.pending_time.items()},
         )
-        self.telemetry.row(**row)
+        self.telemetry.write(row)
         self.pending = dict.fromkeys(self.pending, 0)
         self.pending_time = dict.fromkeys(self.pending_time, 0.0)
 

@@ -7,6 +7,6 @@ endpoint.
 """
 
 from .exporter import Exporter
-from .rows import Telemetry, read_rows
+from .rows import Telemetry, read_rows, read_trainer_rows, read_worker_rows
 
-__all__ = ["Exporter", "Telemetry", "read_rows"]
+__all__ = ["Exporter", "Telemetry", "read_rows", "read_trainer_rows", "read_worker_rows"]

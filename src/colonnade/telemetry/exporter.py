@@ -1,7 +1,8 @@
 """A Prometheus endpoint (`--metrics-port`) fed by the same rows as the store.
 
 Each process has its own registry and HTTP server. Row fields map to
-metrics by name (`FIELDS`); rates such as rollouts/s and tokens/s are left
+metrics by name (`FIELDS`, every name a field of `protocol.metrics`'s rows,
+checked at import); rates such as rollouts/s and tokens/s are left
 to PromQL (`rate(colonnade_rollouts_total[1m])`), as Prometheus intends.
 Every metric carries `role` and `id` labels so one dashboard covers the
 trainer and every worker.
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from colonnade.protocol.metrics import declared
 
 # row field -> (metric name, kind, help)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -43,6 +46,8 @@ FIELDS: dict[str, tuple[str, str, str]] = {
         "worker time idle because a step's worth of its version was already made",
     ),
 }
+declared(FIELDS)
+(STALENESS_FIELD,) = declared(["staleness"])
 STALENESS = "colonnade_rollout_staleness"
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -90,7 +95,7 @@ class Exporter:
                     m.inc(value)
             else:
                 m.observe(value)
-        for lag, n in (row.get("staleness") or {}).items():
+        for lag, n in (row.get(STALENESS_FIELD) or {}).items():
             for _ in range(int(n)):
                 self.staleness.labels(role, self.ident).observe(int(lag))
 

@@ -39,7 +39,7 @@ from .distributed import Dist
 from .policy import PREFIX
 
 log = logging.getLogger("colonnade.trainer")
-STATE = "state.json"
+STATE = keys.CHECKPOINT_STATE
 FORMAT = "dcp-safetensors-1"
 
 
@@ -120,7 +120,7 @@ class Checkpointer:
             }
             doc = {**(facts or {}), "version": version, "format": FORMAT, "ranks": where.world,
                    "shards": shards}  # fmt: skip
-            store.put_if_absent(prefix + STATE, json.dumps(doc).encode())
+            store.put_if_absent(keys.checkpoint_state_key(version), json.dumps(doc).encode())
 
     def load(self, version: int) -> dict:
         """Collective: restore weights and AdamW state in place; the saved state.json."""
@@ -157,14 +157,13 @@ class Checkpointer:
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:
-    done = [k for k in store.list("trainer/checkpoints/") if k.endswith("/" + STATE)]
-    return max((int(k.split("/")[2]) for k in done), default=None)
+    found = (keys.parse_checkpoint_key(k) for k in store.list(keys.CHECKPOINTS))
+    return max((p[0] for p in found if p is not None and p[1] == STATE), default=None)
 
 
 def read_state(store: ObjectStore, version: int) -> dict:
-    prefix = keys.checkpoint_dir(version)
     try:
-        state = json.loads(store.get(prefix + STATE, max_bytes=1 << 20))
+        state = json.loads(store.get(keys.checkpoint_state_key(version), max_bytes=1 << 20))
     except NotFound:
         raise RuntimeError(f"checkpoint v{version} is incomplete (no {STATE})") from None
     if state.get("format") != FORMAT:
@@ -178,8 +177,9 @@ def read_state(store: ObjectStore, version: int) -> dict:
 def prune_checkpoints(store: ObjectStore, keep: int) -> int:
     """Delete all but the newest `keep` complete checkpoints (and any older
     incomplete ones); how many were removed."""
-    done = sorted({int(k.split("/")[2]) for k in store.list("trainer/checkpoints/")})
-    complete = [v for v in done if store.exists(keys.checkpoint_dir(v) + STATE)]
+    found = (keys.parse_checkpoint_key(k) for k in store.list(keys.CHECKPOINTS))
+    done = sorted({p[0] for p in found if p is not None})
+    complete = [v for v in done if store.exists(keys.checkpoint_state_key(v))]
     if keep < 1 or len(complete) <= keep:
         return 0
     cutoff = complete[-keep]
@@ -187,7 +187,7 @@ def prune_checkpoints(store: ObjectStore, keep: int) -> int:
     for v in (v for v in done if v < cutoff):
         prefix = keys.checkpoint_dir(v)
         # state.json first: a half-deleted checkpoint is then ignored, never loaded.
-        store.delete(prefix + STATE)
+        store.delete(keys.checkpoint_state_key(v))
         for k in store.list(prefix):
             store.delete(k)
         removed += 1

@@ -48,15 +48,6 @@ class Collected:
     rejected: list[str] = field(default_factory=list)  # batches taken and refused whole
 
 
-# The names of the collector's counters (as they appear in the trainer's rows).
-COUNTS = ("batches_rejected", "batches_dropped_stale", "batches_from_", "groups_rejected",
-          "groups_replayed", "rejected_")  # fmt: skip
-
-
-def is_count(name: str) -> bool:
-    return name.startswith(COUNTS)
-
-
 def take_order(fresh: dict[int, list[str]]) -> list[str]:
     """The order to take batches in: newest version first, workers in turn.
 
@@ -87,7 +78,7 @@ class Collector:
     version_gap: float | None = None  # seconds between versions, set by the trainer
     consumed: set[str] = field(default_factory=set)
     swept_below: int = 0  # versions below this were counted as dropped
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)  # named as protocol.metrics.is_count says
     per_worker: dict[str, Counter] = field(default_factory=dict)
     keyring: dict | None = None  # worker -> public key; None: signatures not required
     seen: set[str] = field(default_factory=set)  # content digests of groups trained on

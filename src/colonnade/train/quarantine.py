@@ -22,6 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from colonnade.protocol.documents import QuarantineDecision
+
 log = logging.getLogger("colonnade.trainer")
 
 
@@ -95,7 +97,8 @@ class Ledger:
     """The trainer's running figures per worker and its decisions so far."""
 
     cfg: QuarantineConfig
-    decisions: dict[str, dict] = field(default_factory=dict)  # worker -> reason, version, time
+    # worker -> why and when (trainer/quarantine.json)
+    decisions: dict[str, QuarantineDecision] = field(default_factory=dict)
     totals: dict[str, dict] = field(default_factory=dict)  # summed like_for_like figures
 
     def judge(self, version: int, step_by_version: dict[str, dict[str, dict]]) -> bool:
@@ -110,5 +113,5 @@ class Ledger:
         }
         for w, why in fresh.items():
             log.warning("quarantined worker %s at v%d: %s", w, version, why)
-            self.decisions[w] = {"reason": why, "version": version, "time": time.time()}
+            self.decisions[w] = QuarantineDecision(why, version, time.time())
         return bool(fresh)

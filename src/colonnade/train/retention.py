@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from colonnade.protocol import keys
 from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
 log = logging.getLogger("colonnade.trainer")
@@ -32,16 +33,9 @@ log = logging.getLogger("colonnade.trainer")
 def _owner(key: str) -> tuple[str, int] | None:
     """(what, version) of a key retention may delete: a rollout, a ledger or a
     version's weights; None for anything else."""
-    parts = key.split("/")
-    if parts[0] in ("rollouts", "weights") and len(parts) >= 3:
-        head = parts[1]
-    elif key.startswith("trainer/consumed/"):
-        head = parts[-1].split("-")[0].removesuffix(".json")
-    else:
-        return None
-    if not (head.isascii() and head.isdigit()):
-        return None
-    return ("ledger" if parts[0] == "trainer" else parts[0]), int(head)
+    if (ledger := keys.parse_consumed_key(key)) is not None:
+        return "ledger", ledger[0]
+    return keys.parse_version_dir(key)
 
 
 def garbage(listing: list[str], v: int, max_lag: int, anchor_every: int) -> list[str]:
@@ -74,7 +68,7 @@ class Retention:
             return 0
         listing = [
             k
-            for prefix in ("rollouts/", "trainer/consumed/", "weights/")
+            for prefix in (keys.ROLLOUTS, keys.CONSUMED, keys.WEIGHTS)
             for k in self.store.list(prefix)
         ]
         doomed = garbage(listing, v, self.max_lag, self.anchor_every)

@@ -18,9 +18,11 @@ On one device or across ranks, the same path:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from colonnade.protocol.metrics import TrainerRow, declared
 
 from .advantages import group_advantages
 from .batching import Packed, micro_inputs, pack
@@ -40,6 +42,39 @@ class StepConfig:
     micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
     max_grad_norm: float = 1.0
     gate: GateConfig = field(default_factory=GateConfig)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What a step measured (rank 0): the step's part of the trainer's row
+    (`protocol.metrics.TrainerRow`, whose comments say what each figure
+    means), and the gate per behaviour version, which quarantine judges and
+    no row carries."""
+
+    loss: float
+    reward_mean: float
+    pass_rate: float
+    groups: int
+    groups_skipped: int
+    episodes: int
+    tokens: int
+    micro_batches: int
+    masked_fraction: float
+    mean_abs_diff: float
+    mismatch_kl: float
+    grad_norm: float
+    gate_by_worker: dict[str, dict[str, float]]  # worker -> tokens, kept, kl_sum
+    gate_by_version: dict[str, dict[str, dict[str, float]]]  # worker -> version -> the same
+
+    def row_fields(self) -> dict:
+        """The figures the trainer's row carries, by their row names."""
+        return {name: getattr(self, name) for name in ROW_FIELDS}
+
+
+# Every figure but gate_by_version is the row's, under the same name.
+ROW_FIELDS = declared(
+    [f.name for f in fields(StepFigures) if f.name != "gate_by_version"], (TrainerRow,)
+)
 
 
 def policy_logprobs(model, samples: Sequence[Sample], pad_id: int, temperature: float):
@@ -126,8 +161,8 @@ def train_step(
     pad_id: int,
     cfg: StepConfig,
     where: Dist | None = None,
-) -> dict | None:
-    """Update the model on these groups; the step's metrics (on rank 0).
+) -> StepFigures | None:
+    """Update the model on these groups; the step's figures (on rank 0).
 
     Rank 0 passes the groups; the other ranks pass None, receive their
     share, and get None back.
@@ -151,28 +186,28 @@ def train_step(
     return _metrics(rewards, skipped, [s for s, _ in pairs], sums, rows, grad_norm, packed)
 
 
-def _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed: Packed) -> dict:
+def _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed: Packed) -> StepFigures:
     tokens, kept = int(sums[TOKENS]), int(sums[KEPT])
     per_worker: dict[str, dict[str, float]] = {}
     by_version: dict[str, dict[str, dict[str, float]]] = {}  # worker -> version -> stats
     _add_rows(per_worker, by_version, samples, rows)
     all_rewards = [r for g in rewards for r in g]
-    return {
-        "loss": float(sums[LOSS]) / kept if kept else 0.0,
-        "reward_mean": sum(all_rewards) / max(1, len(all_rewards)),
-        "pass_rate": sum(r > 0 for r in all_rewards) / max(1, len(all_rewards)),
-        "groups": len(rewards),
-        "groups_skipped": skipped,
-        "episodes": len(all_rewards),
-        "tokens": tokens,
-        "micro_batches": packed.micro_count,
-        "masked_fraction": 1.0 - kept / tokens if tokens else 0.0,
-        "mean_abs_diff": float(sums[ABS_DIFF]) / tokens if tokens else 0.0,
-        "mismatch_kl": float(sums[KL]) / tokens if tokens else 0.0,
-        "grad_norm": grad_norm,
-        "gate_by_worker": per_worker,
-        "gate_by_version": by_version,  # for quarantine's like-for-like comparison
-    }
+    return StepFigures(
+        loss=float(sums[LOSS]) / kept if kept else 0.0,
+        reward_mean=sum(all_rewards) / max(1, len(all_rewards)),
+        pass_rate=sum(r > 0 for r in all_rewards) / max(1, len(all_rewards)),
+        groups=len(rewards),
+        groups_skipped=skipped,
+        episodes=len(all_rewards),
+        tokens=tokens,
+        micro_batches=packed.micro_count,
+        masked_fraction=1.0 - kept / tokens if tokens else 0.0,
+        mean_abs_diff=float(sums[ABS_DIFF]) / tokens if tokens else 0.0,
+        mismatch_kl=float(sums[KL]) / tokens if tokens else 0.0,
+        grad_norm=grad_norm,
+        gate_by_worker=per_worker,
+        gate_by_version=by_version,  # for quarantine's like-for-like comparison
+    )
 
 
 def _add_rows(per_worker: dict, by_version: dict, samples: Sequence[Sample], rows) -> None:

@@ -20,14 +20,13 @@ whose publication was cut short is published first.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,27 +36,35 @@ from colonnade.envs import load_environment
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
+from colonnade.protocol.documents import (
+    ConsumedLedger,
+    Done,
+    Quarantine,
+    TrainerHeartbeat,
+    read_document,
+)
+from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import fresh_workers
-from colonnade.protocol.schemas import MAX_JSON_BYTES, batch_bytes_bound, dumps, loads
+from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, batch_bytes_bound
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.protocol.weights import VersionError
 from colonnade.pulse import HASHES
 from colonnade.rollout.episodes import episode_stops
 from colonnade.rollout.sampling import SamplingParams
-from colonnade.store import NotFound, ObjectStore, open_store
+from colonnade.store import ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import Checkpointer, latest_checkpoint, prune_checkpoints
-from .collect import Collector, is_count
+from .collect import Collector
 from .distributed import Command, Dist, init_distributed
 from .loss import GateConfig
 from .policy import build_policy, full_state
 from .quarantine import Ledger, QuarantineConfig
 from .retention import Retention
 from .samples import rebuild_group
-from .step import StepConfig, train_step
+from .step import StepConfig, StepFigures, train_step
 
 log = logging.getLogger("colonnade.trainer")
 MODEL_FILE_LIMIT = 64 << 20
@@ -181,13 +188,16 @@ def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
 
 def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
     try:
-        hb = loads(store.get(keys.HEARTBEAT, max_bytes=MAX_JSON_BYTES))
-    except NotFound:
+        hb = read_document(store, keys.HEARTBEAT, TrainerHeartbeat)
+    except SchemaError as e:  # no trainer of this release wrote it
+        log.warning("%s is not a trainer heartbeat (%s): ignored", keys.HEARTBEAT, e)
         return
-    age = time.time() - float(hb.get("time", 0))
+    if hb is None:
+        return
+    age = time.time() - hb.time
     if age < cfg.heartbeat_timeout and not cfg.takeover:
         raise RunConflict(
-            f"another trainer ({hb.get('host')}, {hb.get('instance')}) wrote a heartbeat "
+            f"another trainer ({hb.host}, {hb.instance}) wrote a heartbeat "
             f"{age:.0f} s ago under {store.url}; if it is dead, pass --takeover"
         )
 
@@ -264,7 +274,7 @@ class Trainer:
         self.where.command(cmd, arg)
         self._last_command = time.monotonic()
 
-    def _train(self, groups, version: int) -> dict | None:
+    def _train(self, groups, version: int) -> StepFigures | None:
         self._command(Command.STEP, version)
         for group in self.opt.param_groups:
             group["lr"] = warmup_lr(self.cfg.lr, version, self.cfg.warmup_versions)
@@ -306,8 +316,8 @@ class Trainer:
 
     # -- start or resume (rank 0) ----------------------------------------------------------
     def open(self) -> None:
-        self.store.clean_partial("trainer/", time.time())
-        self.store.clean_partial("weights/", time.time())
+        self.store.clean_partial(keys.TRAINER, time.time())
+        self.store.clean_partial(keys.WEIGHTS, time.time())
         if self.store.exists(keys.RUN):
             self._resume()
         else:
@@ -390,34 +400,33 @@ class Trainer:
         trained on or rejected."""
         taken: set[str] = set()
         seen: set[str] = set()
-        for key in self.store.list("trainer/consumed/"):
-            doc = json.loads(self.store.get(key, max_bytes=64 << 20))
-            taken.update(doc["keys"])
-            taken.update(doc.get("rejected", ()))
-            seen.update(doc["digests"])
+        for key in self.store.list(keys.CONSUMED):
+            if keys.parse_consumed_key(key) is None:
+                continue
+            ledger = read_document(self.store, key, ConsumedLedger)
+            if ledger is not None:
+                taken.update(ledger.keys, ledger.rejected)
+                seen.update(ledger.digests)
         return taken, seen
 
     def _restore_counts(self) -> None:
         """Resumed: the collector's counters go on from the last row written,
         so totals (rejections by reason, drops) cover the whole run."""
-        last = self.telemetry.last or {}
-        for k, n in last.items():
-            if is_count(k) and isinstance(n, int):
-                self.collector.counts[k] = n
-        for w, c in (last.get("per_worker") or {}).items():
-            if isinstance(c, dict):
-                self.collector.per_worker[w] = Counter(
-                    {k: n for k, n in c.items() if isinstance(n, int)}
-                )
+        try:
+            last = TrainerRow.from_dict(self.telemetry.last or {"time": 0.0, "version": 0})
+        except SchemaError as e:
+            log.warning("the last metric row does not read (%s): counts start at 0", e)
+            return
+        self.collector.counts.update(last.counts)
+        for w, c in last.per_worker.items():
+            self.collector.per_worker[w] = Counter(c)
 
     def _read_quarantine(self) -> dict:
-        try:
-            return loads(self.store.get(keys.QUARANTINE, max_bytes=MAX_JSON_BYTES))
-        except NotFound:
-            return {}
+        found = read_document(self.store, keys.QUARANTINE, Quarantine)
+        return dict(found.decisions) if found is not None else {}
 
     def _write_quarantine(self) -> None:
-        self.store.put(keys.QUARANTINE, dumps(self.quarantine.decisions))
+        self.store.put(keys.QUARANTINE, Quarantine(dict(self.quarantine.decisions)).to_json())
 
     def _load_keys(self) -> None:
         """Re-read the registered public keys and publish them (trainer/keys.json)."""
@@ -431,13 +440,8 @@ class Trainer:
 
     # -- the loop (rank 0) ---------------------------------------------------------------
     def _heartbeat(self, version: int | None) -> None:
-        doc = {
-            "instance": self.instance,
-            "host": socket.gethostname(),
-            "time": time.time(),
-            "version": version,
-        }
-        self.store.put(keys.HEARTBEAT, dumps(doc))
+        hb = TrainerHeartbeat(self.instance, socket.gethostname(), time.time(), version)
+        self.store.put(keys.HEARTBEAT, hb.to_json())
 
     def workers_alive(self) -> int:
         """Workers whose heartbeat is younger than heartbeat_timeout."""
@@ -450,8 +454,9 @@ class Trainer:
             self._command(Command.PING)
         return self.stop_requested
 
-    def step(self) -> dict | None:
-        """Train on one collection; hand v+1 to the background publication; its metrics.
+    def step(self) -> TrainerRow | None:
+        """Train on one collection; hand v+1 to the background publication; its
+        row (the publication's figures are added in the background).
 
         None when a stop was requested while waiting for rollouts: nothing is
         trained or recorded as consumed, so a resumed run uses those batches.
@@ -470,21 +475,12 @@ class Trainer:
         )
         if len(got.groups) < need:
             return None
-        metrics = self._train(got.groups, v)
+        figures = self._train(got.groups, v)
         self._retry("ledger", lambda: self._write_ledger(v + 1, got), deadline)
         state = self._snapshot()
         self.version = v + 1
-        metrics.update(
-            version=v + 1,
-            staleness={str(k): n for k, n in sorted(got.staleness.items())},
-            wait_seconds=round(got.wait_seconds, 3),
-            rejected=counts["batches_rejected"] + counts["groups_rejected"] - before,
-            batches_trained=len(got.keys),
-            workers_alive=self._retry("workers", self.workers_alive, deadline),
-            per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
-            **{k: int(n) for k, n in counts.items()},
-        )
-        if self.quarantine.judge(v + 1, metrics.pop("gate_by_version")):
+        alive = self._retry("workers", self.workers_alive, deadline)
+        if self.quarantine.judge(v + 1, figures.gate_by_version):
             self.collector.quarantined = set(self.quarantine.decisions)
             self._retry("quarantine", self._write_quarantine, deadline)
             # Announced by the next latest.json, written after quarantine.json.
@@ -492,35 +488,43 @@ class Trainer:
         blocked = self.background.wait()
         step_seconds = time.monotonic() - t0
         self.collector.version_gap = moving_gap(self.collector.version_gap, step_seconds)
-        metrics.update(
+        row = TrainerRow(
             time=time.time(),
+            version=v + 1,
+            **figures.row_fields(),
+            staleness={str(k): n for k, n in sorted(got.staleness.items())},
+            wait_seconds=round(got.wait_seconds, 3),
+            rejected=counts["batches_rejected"] + counts["groups_rejected"] - before,
+            batches_trained=len(got.keys),
+            workers_alive=alive,
+            per_worker={w: dict(c) for w, c in sorted(self.collector.per_worker.items())},
+            counts={k: int(n) for k, n in counts.items()},
             step_seconds=round(step_seconds, 3),
             wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
             publish_blocked_seconds=round(blocked, 3),
             peak_mem_mb=round(peak_memory_mb(self.where.device), 1),
         )
-        self.background.submit(lambda: self._publish(state, metrics))
+        self.background.submit(lambda: self._publish(state, row))
         self._retry("heartbeat", lambda: self._heartbeat(v + 1), deadline)
         if (v + 1) % self.cfg.checkpoint_every == 0:
             self._retry("checkpoint", lambda: self._save(v + 1), deadline)
-        return metrics
+        return row
 
     def _retry(self, what: str, fn, deadline_s: float):
         return retry_unavailable(log, what, fn, deadline_s)
 
     def _write_ledger(self, new_v: int, got) -> None:
         """The batches that trained `new_v`, recorded before it is published."""
-        ledger = keys.consumed_key(new_v).replace(".json", f"-{self.instance}.json")
-        doc = {"keys": sorted(got.keys), "rejected": sorted(got.rejected),
-               "digests": sorted(got.digests)}  # fmt: skip
-        self.store.put(ledger, json.dumps(doc).encode())
+        ledger = ConsumedLedger(sorted(got.keys), sorted(got.rejected), sorted(got.digests))
+        self.store.put(keys.consumed_key(new_v, self.instance), ledger.to_json())
 
-    def _publish(self, state: dict[str, torch.Tensor], m: dict) -> None:
+    def _publish(self, state: dict[str, torch.Tensor], row: TrainerRow) -> None:
         """Background: publish the snapshot as the next version, then its metrics row."""
         pub = self._retry(
             "publish", lambda: self.publisher.publish(state), self.cfg.store_outage_seconds
         )
-        m.update(
+        m = replace(
+            row,
             deleted=self._retry(
                 "retention",
                 lambda: self.retention.sweep(pub.meta.version),
@@ -532,14 +536,14 @@ class Trainer:
             full_bytes=pub.meta.full_bytes,
             kind=pub.meta.kind,
         )
-        self.telemetry.row(**m)
+        self.telemetry.write(m)
         log.info(
             "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
             "wait %.1fs patch %d B (%.2f%% of full) publish %.2fs blocked %.2fs",
-            m["version"], m["loss"], m["reward_mean"], m["pass_rate"], m["masked_fraction"],
-            m["mismatch_kl"], m["tokens"], m["wait_seconds"], m["patch_bytes"],
-            100 * m["patch_bytes"] / max(1, m["full_bytes"]), m["publish_seconds"],
-            m["publish_blocked_seconds"],
+            m.version, m.loss, m.reward_mean, m.pass_rate, m.masked_fraction,
+            m.mismatch_kl, m.tokens, m.wait_seconds, m.patch_bytes,
+            100 * m.patch_bytes / max(1, m.full_bytes), m.publish_seconds,
+            m.publish_blocked_seconds,
         )  # fmt: skip
 
     def install_stop(self) -> None:
@@ -574,7 +578,7 @@ class Trainer:
                 return
             self.step()
         self.background.wait()
-        self.store.put(keys.DONE, dumps({"version": self.version, "time": time.time()}))
+        self.store.put(keys.DONE, Done(self.version, time.time()).to_json())
         self.publisher.point(done=True)  # what workers poll
         self._command(Command.DONE)
         log.info("done: published v%d", self.version)

@@ -1,0 +1,214 @@
+"""The small documents beside the weights: heartbeats, the quarantine file,
+the consumed ledgers and done.json (docs/protocol.md, "Documents").
+
+Each is a frozen dataclass, written with `to_json` and read with
+`from_json` only: size-bounded, depth-bounded, every field present and of
+its type, no field beyond them (like run.json and meta.json). They belong to
+the protocol version run.json names; a change of fields is a new protocol.
+Heartbeats come from workers, so strangers: what fails its checks is
+skipped by the readers, never trusted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from colonnade.store import NotFound, ObjectStore
+
+from .keys import check_worker_id, parse_rollout_key
+from .schemas import MAX_JSON_BYTES, SchemaError, _int, _need, _num, _same_fields, dumps, loads
+
+MAX_TEXT = 256  # characters of a free-text field (host, platform, reason, ...)
+MAX_LEDGER_BYTES = 64 << 20  # one version's ledger: keys and digests of its batches
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+D = TypeVar("D")
+
+
+def read_document(store: ObjectStore, key: str, cls: type[D]) -> D | None:
+    """The document of type `cls` at `key`, None where there is none;
+    SchemaError for one that does not read (the caller decides: skip or stop)."""
+    try:
+        data = store.get(key, max_bytes=cls.MAX_BYTES)
+    except NotFound:
+        return None
+    return cls.from_json(data)
+
+
+def _text(x: Any, what: str, empty: bool = True) -> None:
+    ok = isinstance(x, str) and len(x) <= MAX_TEXT and (empty or x)
+    _need(bool(ok), f"{what}: a string of at most {MAX_TEXT} characters")
+
+
+def _worker(x: Any, what: str) -> None:
+    try:
+        check_worker_id(x)
+    except (TypeError, ValueError):
+        raise SchemaError(f"{what}: not a worker id") from None
+
+
+def _time(x: Any, what: str) -> None:
+    _need(_num(x) and x >= 0, f"{what}: seconds since the epoch")
+
+
+def _version(x: Any, what: str, none: bool = False) -> None:
+    _need(_int(x) or (none and x is None), f"{what}: a version (integer >= 0)")
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """workers/{worker}.json: a worker says it lives, rewritten every ~20 s
+    and once more when it exits. Read by the trainer (workers alive, from
+    the object's time, not this), the live view and the report."""
+
+    MAX_BYTES: ClassVar[int] = MAX_JSON_BYTES
+
+    worker: str  # its id; must be the key's
+    host: str  # host name
+    platform: str  # OS and architecture, as Python's platform.platform() says
+    device: str  # torch device it generates on: cpu, cuda:0, mps
+    engine: str  # engine label: precision and kernel, e.g. "int8-w8", "mlx-int8"
+    threads: int  # torch CPU threads
+    version: int | None  # the version its engine runs; None before the first
+    batches: int  # batches uploaded by this process
+    bytes_synced: int  # weight bytes downloaded by this process
+    time: float  # when written, seconds since the epoch (the writer's clock)
+    started: float  # when the process joined, seconds since the epoch
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> WorkerHeartbeat:
+        d = loads(data, cls.MAX_BYTES)
+        _same_fields(cls, d, "worker heartbeat")
+        _worker(d["worker"], "worker")
+        for k in ("host", "platform", "device", "engine"):
+            _text(d[k], k)
+        for k in ("threads", "batches", "bytes_synced"):
+            _need(_int(d[k]), f"{k}: integer >= 0")
+        _version(d["version"], "version", none=True)
+        _time(d["time"], "time")
+        _time(d["started"], "started")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TrainerHeartbeat:
+    """trainer/heartbeat.json: the trainer lives; a second trainer started on
+    the same prefix refuses to take over from a fresh one."""
+
+    MAX_BYTES: ClassVar[int] = MAX_JSON_BYTES
+
+    instance: str  # this trainer process's id (8 hex), also in its ledgers' keys
+    host: str  # host name
+    time: float  # when written, seconds since the epoch
+    version: int | None  # the version it holds; None while starting
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> TrainerHeartbeat:
+        d = loads(data, cls.MAX_BYTES)
+        _same_fields(cls, d, "trainer heartbeat")
+        _text(d["instance"], "instance", empty=False)
+        _text(d["host"], "host")
+        _time(d["time"], "time")
+        _version(d["version"], "version", none=True)
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class QuarantineDecision:
+    """Why and when the trainer stopped taking one worker's batches."""
+
+    reason: str  # the figure that stood out, against the others'
+    version: int  # the version whose step decided it
+    time: float  # when, seconds since the epoch
+
+    @classmethod
+    def from_dict(cls, d: Any) -> QuarantineDecision:
+        _need(isinstance(d, dict), "a quarantine decision is not an object")
+        _same_fields(cls, d, "quarantine decision")
+        _text(d["reason"], "reason")
+        _version(d["version"], "version")
+        _time(d["time"], "time")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """trainer/quarantine.json: every worker quarantined so far (never
+    lifted), rewritten whole on each new decision. On the wire the object
+    maps worker id -> decision; latest.json counts the decisions, so workers
+    reread this only when the count grows."""
+
+    MAX_BYTES: ClassVar[int] = MAX_JSON_BYTES
+
+    decisions: dict[str, QuarantineDecision] = field(default_factory=dict)  # worker -> decision
+
+    def to_json(self) -> bytes:
+        return dumps({w: asdict(d) for w, d in self.decisions.items()})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Quarantine:
+        d = loads(data, cls.MAX_BYTES)
+        for w in d:
+            _worker(w, "quarantined worker")
+        return cls({w: QuarantineDecision.from_dict(x) for w, x in d.items()})
+
+
+@dataclass(frozen=True)
+class ConsumedLedger:
+    """trainer/consumed/{v}-{instance}.json: the batches a trainer took for
+    version v, written before v is published and read on resume, so that no
+    batch trains twice and no episodes replay."""
+
+    MAX_BYTES: ClassVar[int] = MAX_LEDGER_BYTES
+
+    keys: list[str]  # rollout keys trained on (at least one group accepted), sorted
+    rejected: list[str]  # rollout keys taken and refused whole, sorted
+    digests: list[str]  # content digests (sha256 hex) of the groups trained on, sorted
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ConsumedLedger:
+        d = loads(data, cls.MAX_BYTES)
+        d = {"rejected": [], **d}  # absent from ledgers of earlier releases
+        _same_fields(cls, d, "ledger")
+        for k in ("keys", "rejected"):
+            _need(isinstance(d[k], list), f"{k}: a list of rollout keys")
+            _need(all(parse_rollout_key(x) for x in d[k]), f"{k}: a list of rollout keys")
+        digests = d["digests"]
+        _need(isinstance(digests, list), "digests: a list of sha256 hex digests")
+        _need(all(isinstance(x, str) and _DIGEST.fullmatch(x) for x in digests),
+              "digests: a list of sha256 hex digests")  # fmt: skip
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Done:
+    """trainer/done.json: the run is over (latest.json says so too, and that
+    is what workers poll)."""
+
+    MAX_BYTES: ClassVar[int] = MAX_JSON_BYTES
+
+    version: int  # the last version published
+    time: float  # when, seconds since the epoch
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Done:
+        d = loads(data, cls.MAX_BYTES)
+        _same_fields(cls, d, "done.json")
+        _version(d["version"], "version")
+        _time(d["time"], "time")
+        return cls(**d)
