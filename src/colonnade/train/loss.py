@@ -1,12 +1,34 @@
-"""The DPPO gate and the policy-gradient loss over stale, quantized rollouts.
+"""The RL loss: DPPO's binary-TV gate over stale, quantized rollouts.
+
+What it is: DPPO, "Rethinking the Trust Region in LLM Reinforcement
+Learning" (arXiv 2602.04879), in its Binary-TV form. PPO's trust region is a
+ratio clip; DPPO's is a mask on the divergence between the policy that
+sampled a token and the one being trained, per token, here the absolute
+difference of the two probabilities (a one-token total-variation term). It
+suits colonnade because the gap it bounds is exactly what staleness and
+int8 weights open between a worker and the trainer.
 
 Per model token, p = π(token) under the trainer's current weights and
-m = μ(token) under the weights the worker ran. The gate masks a token when
-the update would push further in the direction the policy already moved
-too far: A > 0 and p − m > δ_high, or A < 0 and p − m < −δ_low (an absolute
-difference of probabilities, one-sided by the sign of A). The loss is
-−A · sg(min(p/m, c)) · mask · log p, averaged over unmasked model tokens;
-tool tokens never count.
+m = μ(token) under the weights the worker ran (the recorded behaviour
+log-prob). The gate masks a token when the update would push further in
+the direction the policy already moved too far: A > 0 and p − m > δ_high,
+or A < 0 and p − m < −δ_low (one-sided by the sign of the advantage A). The
+loss is −A · sg(min(p/m, c)) · mask · log p, summed over kept model tokens
+and divided by their number; tool tokens and padding never count.
+
+Shapes: `dppo_loss` takes logp, behaviour_logp, adv and model_mask of one
+shape, either flat [T] or [rows, T] (rows: episodes of a micro-batch, T:
+their padded length); adv is each episode's advantage repeated over its
+tokens. The scalar loss is differentiable through logp only: p, m and the
+ratio are constants (sg), so the gradient is that of a weighted
+log-likelihood.
+
+How it differs from prime-rl's default loss (its DPPO-TV variant): the
+same kind of TV mask, but prime-rl also clamps the importance ratio inside
+a PPO-style surrogate and adds a KL penalty term. Here the ratio only
+weights the token (capped at c, as a variance bound; no surrogate min), and
+there is no KL term: the mismatch KL is measured (`mismatch_kl`), not
+optimised, and the gate alone keeps the update inside the trust region.
 """
 
 from __future__ import annotations
