@@ -14,8 +14,10 @@ versions are encoded side by side as:
 
 with the order-0 entropy bound (n·H(p) per tensor for positions plus the
 empirical entropy of the XOR residual's byte planes), and the time to encode
-and apply ours against writing and reading the full checkpoint. Every patch
-is applied back and compared bit for bit; a mismatch aborts the run.
+and apply ours as GB/s of bf16 state, beside the limit measured in the same
+run (one numpy read of old and new, one BLAKE3 pass over the state) and
+against writing and reading the full checkpoint. Every patch is applied back
+and compared bit for bit; a mismatch aborts the run.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ import torch
 import zstandard
 
 State = dict[str, torch.Tensor]
-TARGETS = {  # name: (description, ratio key, limit)
-    "vs_trl": ("ours ≤ 1/4 of TRL-style (b)", "ours_over_trl", 0.25),
-    "vs_bound": ("ours ≤ 0.9× the order-0 entropy bound", "ours_over_bound", 0.9),
-    "vs_grail": ("ours ≤ 0.4× grail-style (d)", "ours_over_grail", 0.4),
-    "time": ("encode+apply ≤ 0.5× full write+read", "time_ratio", 0.5),
-    "memory": ("peak memory ≤ 2.5× the bf16 model", "peak_mem_over_bf16", 2.5),
+# The rows a speed target speaks of: SmolLM2 at lr 1e-6 and 1e-5 (issue 24).
+SPEED_ROWS = (("smollm2", 1e-6), ("smollm2", 1e-5))
+TARGETS = {  # name: (description, key, limit, sense: "max" ≤ limit / "min" ≥ limit, rows)
+    "vs_trl": ("ours ≤ 1/4 of TRL-style (b)", "ours_over_trl", 0.25, "max", None),
+    "vs_bound": ("ours ≤ 0.9× the order-0 entropy bound", "ours_over_bound", 0.9, "max", None),
+    "vs_grail": ("ours ≤ 0.4× grail-style (d)", "ours_over_grail", 0.4, "max", None),
+    "encode": ("encode ≥ 1 GB/s of bf16 state", "encode_gbps", 1.0, "min", SPEED_ROWS),
+    "apply": ("apply ≥ 1 GB/s of bf16 state", "apply_gbps", 1.0, "min", SPEED_ROWS),
+    "memory": ("peak memory ≤ 2.5× the bf16 model", "peak_mem_over_bf16", 2.5, "max", None),
 }
 
 
@@ -308,6 +313,30 @@ def time_full(new: State, tmpdir: str) -> dict[str, float]:
     }
 
 
+def time_limit(old: State, new: State) -> dict[str, float]:
+    """Seconds of what any encoder must do at least: read old and new once
+    (numpy, one thread, a cache-sized slice at a time), and hash the state
+    once (BLAKE3 on every core, as the state hash runs it)."""
+    import blake3
+
+    from colonnade.pulse.tensors import to_bits
+
+    step = 1 << 18
+    t0 = time.perf_counter()
+    for name in sorted(new):
+        ob, nb = to_bits(old[name]), to_bits(new[name])
+        buf = np.empty(min(step, ob.size), ob.dtype)
+        for s in range(0, ob.size, step):
+            np.bitwise_xor(ob[s : s + step], nb[s : s + step], out=buf[: min(step, ob.size - s)])
+    t1 = time.perf_counter()
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for name in sorted(new):
+        h.update(memoryview(to_bits(new[name])).cast("B"))
+    h.digest()
+    t2 = time.perf_counter()
+    return {"read_old_new_s": t1 - t0, "blake3_s": t2 - t1}
+
+
 def _bits_equal(a: State, b: State) -> bool:
     from colonnade.pulse.tensors import to_bits
 
@@ -350,6 +379,7 @@ def measure_pair(old: State, new: State, base_sha: str, tmpdir: str) -> dict[str
     bound, changed, total = entropy_bound_bits(old, new)
     row.update(peer_sizes(old, new))
     row.update(time_full(new, tmpdir))
+    row.update(time_limit(old, new))
     row.update(peak_memory(old, new, tmpdir))
     row.update(
         changed=changed,
@@ -367,6 +397,18 @@ def summarize(rows: list[dict], bf16_bytes: int) -> dict[str, float]:
     med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k != "result_hash"}
     full_rw = med["full_write_s"] + med["full_read_s"]
     ours_t = med["encode_s"] + med["apply_s"]
+    limit_s = med["read_old_new_s"] + med["blake3_s"]
+    med.update(
+        # GB/s of bf16 state; encode and apply each hash one state (the
+        # result's: the base's hash is known), whose share is state_hash_s.
+        encode_gbps=bf16_bytes / med["encode_s"] / 1e9,
+        apply_gbps=bf16_bytes / med["apply_s"] / 1e9,
+        encode_hash_share=med["state_hash_s"] / med["encode_s"],
+        apply_hash_share=med["state_hash_s"] / med["apply_s"],
+        read_gbps=bf16_bytes / med["read_old_new_s"] / 1e9,
+        blake3_gbps=bf16_bytes / med["blake3_s"] / 1e9,
+        limit_gbps=bf16_bytes / limit_s / 1e9,
+    )
     med.update(
         ours_over_trl=med["ours"] / med["trl"],
         ours_over_grail=med["ours"] / med["grail"],
@@ -416,11 +458,15 @@ COLUMNS = [  # (header, key, format)
     ("int8 density", "int8_density", "{:.4f}"),
     ("enc s", "encode_s", "{:.3f}"),
     ("apply s", "apply_s", "{:.3f}"),
+    ("enc GB/s", "encode_gbps", "{:.2f}"),
+    ("apply GB/s", "apply_gbps", "{:.2f}"),
+    ("hash share enc", "encode_hash_share", "{:.0%}"),
+    ("hash share apply", "apply_hash_share", "{:.0%}"),
+    ("limit: read old+new GB/s", "read_gbps", "{:.2f}"),
+    ("limit: BLAKE3 GB/s", "blake3_gbps", "{:.2f}"),
+    ("limit: both GB/s", "limit_gbps", "{:.2f}"),
     ("write s", "full_write_s", "{:.3f}"),
     ("read s", "full_read_s", "{:.3f}"),
-    ("hash s", "state_hash_s", "{:.3f}"),
-    ("time ratio", "time_ratio", "{:.2f}"),
-    ("time ratio (hashed full)", "time_ratio_hashed", "{:.2f}"),
     ("peak mem / bf16", "peak_mem_over_bf16", "{:.2f}"),
     ("codec fixed MB", "codec_fixed_mb", "{:.0f}"),
 ]
@@ -434,10 +480,18 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def target_lines(results: list[dict]) -> list[str]:
+    """One line per target: PASS/FAIL and the worst row it applies to."""
     lines = []
-    for desc, key, limit in TARGETS.values():
-        worst = max(r[key] for r in results)
-        lines.append(f"{'PASS' if worst <= limit else 'FAIL'}  {desc}: worst {worst:.3f}")
+    for desc, key, limit, sense, only in TARGETS.values():
+        rows = [r for r in results if only is None or (r["model"], r["lr"]) in only]
+        if only is not None:
+            desc += " (" + ", ".join(f"{m} lr {lr:g}" for m, lr in only) + ")"
+        if not rows:
+            lines.append(f"n/a   {desc}: no such row in this run")
+            continue
+        worst = (max if sense == "max" else min)(r[key] for r in rows)
+        ok = worst <= limit if sense == "max" else worst >= limit
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {desc}: worst {worst:.3f}")
     return lines
 
 
