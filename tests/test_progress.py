@@ -38,7 +38,7 @@ def test_the_line_has_step_total_metric_and_eta():
     unknown = Tracker("waiting for v1", None, Console(file=io.StringIO()))
     unknown.update(0, "2 workers alive")
     assert unknown.line(now=unknown._started + 3700) == (
-        "waiting for v1: 0, 2 workers alive, 1h01m elapsed"
+        "waiting for v1: 2 workers alive, 1h01m elapsed"
     )
 
 

@@ -93,7 +93,7 @@ class Tracker:
     def line(self, now: float | None = None) -> str:
         """`description: done/total (pct%), info, elapsed, ETA`."""
         elapsed = (time.monotonic() if now is None else now) - self._started
-        parts = [f"{self.done}"]
+        parts = []  # no count when the length is unknown
         if self.total:
             parts = [f"{self.done}/{self.total} ({100 * self.done / self.total:.0f}%)"]
         if self.info:
@@ -115,11 +115,17 @@ class Tracker:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the bar or the lines; again is a no-op."""
         if self._bar is not None:
             self._bar.stop()
+            self._bar = None
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+            self._thread = None
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):

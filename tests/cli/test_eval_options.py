@@ -38,3 +38,14 @@ def test_human_output_names_limits_and_prints_samples(tmp_path, monkeypatch, cap
 def test_bad_counts_fail_in_one_line(capsys):
     assert main([*EVAL, "-k", "0"]) == 2
     assert "-k" in capsys.readouterr().err
+
+
+def test_a_runs_config_gives_env_and_limits(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path))
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text('preset = "smoke"\n[trainer]\nmax_turn_tokens = 7\n')
+    args = ["eval", "--model", "tiny", "--config", str(run_toml), "-n", "2", "--no-greedy"]
+    assert main([*args, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["limits"] == {"max_turn_tokens": 7, "max_episode_tokens": 16}
+    assert figures["n"] == 2 and figures["success"] == "correct >= 1, declared"  # smoke's rule

@@ -1,4 +1,5 @@
-"""`colonnade run` end to end: the report it writes, `colonnade report`, Ctrl-C.
+"""`colonnade run` end to end: the report it writes, `colonnade report`, Ctrl-C,
+SIGTERM and --max-minutes.
 
 Both runs use the smoke preset shortened by a run.toml (a short warm start
 and a few versions) so the file stays within a minute or two on 2 cores.
@@ -83,6 +84,8 @@ def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_stops_every_child_and_still_reports(tmp_path, sig):
+    """Ctrl-C: the trainer stops after its version and the final model is still
+    exported and evaluated. SIGTERM: every process stops at once."""
     out = tmp_path / "run"
     cfg = _config(tmp_path, 200)
     cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
@@ -101,6 +104,33 @@ def test_ctrl_c_or_sigterm_stops_every_child_and_still_reports(tmp_path, sig):
     assert "interrupted" in stderr
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "interrupted" and 2 <= report["versions_published"] < 200
+    _no_child_left_and_a_checkpoint_at_the_end(out, report)
+    graceful = sig == signal.SIGINT
+    assert (out / "final-model" / "config.json").is_file() == graceful
+    after = report["eval"].get("after")
+    assert (after is not None and after["version"] == report["versions_published"]) == graceful
+
+
+@pytest.mark.timeout(400)
+def test_max_minutes_stops_training_and_still_exports_and_evaluates(tmp_path):
+    out = tmp_path / "run"
+    cfg = _config(tmp_path, 200)
+    cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
+    env = {**_env(tmp_path), "COLONNADE_PROGRESS_SECONDS": "1"}
+    p = subprocess.run(
+        [*cmd, "--max-minutes", "1.5"], env=env, capture_output=True, text=True, timeout=380
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "max_minutes spent" in p.stderr and "status: budget (max_minutes 1.5 spent)" in p.stdout
+    assert "warm start: " in p.stderr and "eval before: " in p.stderr  # progress lines
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "budget" and 1 <= report["versions_published"] < 200
+    assert report["eval"]["after"]["version"] == report["versions_published"]
+    assert (out / "final-model" / "config.json").is_file()
+    _no_child_left_and_a_checkpoint_at_the_end(out, report)
+
+
+def _no_child_left_and_a_checkpoint_at_the_end(out, report) -> None:
     # No child is left: every pid the logs name is gone.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(out / "trainer.toml") not in ps and str(out / "worker.toml") not in ps

@@ -34,6 +34,12 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-versions", type=int, help="versions the trainer publishes")
     p.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag")
     p.add_argument("--eval-n", type=int, help="held-out tasks evaluated before and after (0: none)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        help="wall-clock budget from the start: when spent, the trainer stops after the "
+        "version in flight and the final model is still exported, evaluated and reported",
+    )
     p.add_argument("--metrics-port", type=int, help="trainer's Prometheus port; worker i: +1+i")
     p.add_argument(
         "--no-warmstart",
@@ -65,7 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run end to end on this machine: warm start (cached), held-out eval, "
         "then 1 trainer and N workers as separate processes joined only by the store, "
         "eval of the final version, and report.json / report.html in the run directory. "
-        "Ctrl-C stops every process cleanly and still writes the report.",
+        "While training, Ctrl-C stops the trainer after its version and still exports, "
+        "evaluates and reports, as --max-minutes does; a second Ctrl-C (or SIGTERM) stops "
+        "every process at once and writes the report of what was done.",
     )
     _run_flags(p)
     p.set_defaults(handler=_run)
@@ -110,6 +118,7 @@ def _resolved(args: argparse.Namespace):
             "threads",
             "trainer_ranks",
             "eval_n",
+            "max_minutes",
             "metrics_port",
             "warmstart",
             "live",
@@ -148,8 +157,11 @@ def _run(args: argparse.Namespace) -> int:
     for which in ("before", "after"):
         if ev.get(which):
             print(f"{which:>6}: {figures_line(ev[which])}")
-    print(f"status: {report['status']}, v{report['versions_published']}, {report['wall_s']} s")
-    return 0 if report["status"] == "finished" else 1
+    status = report["status"]
+    if status == "budget":
+        status = f"budget (max_minutes {cfg.max_minutes:g} spent)"
+    print(f"status: {status}, v{report['versions_published']}, {report['wall_s']} s")
+    return 0 if report["status"] in ("finished", "budget") else 1
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -48,6 +48,10 @@ class RunConfig:
     eval_batch: int = 50
     eval_temperature: float = 1.0
     metrics_port: int | None = None  # trainer's; worker i gets port + 1 + i
+    # Wall-clock budget of the whole run from its start; when spent the trainer
+    # stops after the version in flight, and the final eval, export and report
+    # still happen (their time is not counted). None: no budget.
+    max_minutes: float | None = None
     live: bool = True  # the rich live view (off: one log line per version)
     sign: bool = True  # a key pair per worker under <out>/keys; the trainer requires them
     trainer: dict = field(default_factory=dict)  # TrainerConfig overrides
@@ -133,6 +137,8 @@ def resolve_run_config(
         raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
     if cfg.trainer_ranks < 1:
         raise ValueError("trainer_ranks must be >= 1")
+    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
+        raise ValueError("max_minutes must be > 0")
     return cfg
 
 

@@ -110,3 +110,48 @@ def terminate_as_interrupt() -> Iterator[None]:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+class EarlyStop:
+    """Whether the run should end before max_versions: its wall-clock budget is
+    spent, or Ctrl-C was pressed once while `catching()`.
+
+    The launcher polls `reason()` while the trainer runs and, on one, tells the
+    trainer to stop after the version in flight (SIGTERM: it checkpoints and
+    exits), then still exports and evaluates the newest version. Within
+    `catching()` the first SIGINT only records the request; a second raises
+    KeyboardInterrupt, which aborts as before: every child stopped, no export.
+    """
+
+    BUDGET, INTERRUPT = "budget", "interrupt"
+
+    def __init__(self, max_minutes: float | None = None, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.deadline = None if max_minutes is None else clock() + 60.0 * max_minutes
+        self.interrupted = False
+
+    def reason(self) -> str | None:
+        """INTERRUPT, BUDGET or None."""
+        if self.interrupted:
+            return self.INTERRUPT
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return self.BUDGET
+        return None
+
+    def interrupt(self) -> None:
+        """A Ctrl-C: the first is a request, the second aborts."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """Within: SIGINT calls `interrupt` (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.signal(signal.SIGINT, lambda signum, frame: self.interrupt())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, old)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from colonnade.envs import Demonstrating, load_environment
 from colonnade.model import resolve_model
 from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.presence import alive
 from colonnade.protocol.signing import new_keypair
 from colonnade.rollout.evaluate import figures_line
 from colonnade.store import ObjectStore, open_store
@@ -29,8 +31,8 @@ from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
 from . import evaluation
 from .config import RunConfig, effective_tables, eval_sampling, role_configs, to_toml
-from .live import log_line, render, snapshot
-from .processes import Child, spawn, stop_all, terminate_as_interrupt, wait_exit
+from .live import ALIVE_SECONDS, log_line, render, snapshot
+from .processes import Child, EarlyStop, spawn, stop_all, terminate_as_interrupt, wait_exit
 
 log = logging.getLogger("colonnade.run")
 
@@ -121,40 +123,65 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
 
 
 def _watch(
-    cfg: RunConfig, max_versions: int, store: ObjectStore, children: list[Child], console: Console
-) -> None:
-    """Until the trainer exits; raises RunFailed if it fails."""
+    cfg: RunConfig,
+    max_versions: int,
+    store: ObjectStore,
+    children: list[Child],
+    console: Console,
+    stop: EarlyStop,
+) -> str | None:
+    """Until the trainer exits: the EarlyStop reason it was told to stop for, if
+    any; raises RunFailed if it fails.
+
+    The live view only on a terminal (elsewhere rich's Live prints nothing
+    until it ends); else a line per version, again every `interval()` s while
+    none comes, and until the first version a progress line (`Tracker`).
+    """
     reported_dead: set[str] = set()
-    last_v = -1
+    last_v, last_line, told = -1, 0.0, None
+    view = Live(console=console, refresh_per_second=2) if cfg.live and console.is_terminal else None
+    waiting = Tracker("waiting for v1", None, console) if view is None else None
 
     def tick() -> None:
-        nonlocal last_v
+        nonlocal last_v, last_line
         snap = snapshot(store, max_versions)
         for c in children[1:]:
             if not c.alive and c.name not in reported_dead:
                 reported_dead.add(c.name)
                 console.print(f"[yellow]{c.name} exited ({c.proc.returncode}); see {c.log}")
-        if live is not None:
-            live.update(render(snap, "training"))
-        elif snap.version != last_v:
+        if view is not None:
+            view.update(render(snap, "training"))
+        elif snap.version < 1:
+            n = len(alive(snap.workers, time.time(), ALIVE_SECONDS))
+            waiting.update(0, f"{n} of {cfg.workers} workers alive")
+        elif snap.version != last_v or time.monotonic() - last_line >= waiting.every:
+            waiting.close()  # the first version is in
             console.print(log_line(snap))
+            last_line = time.monotonic()
         last_v = snap.version
 
-    live = Live(console=console, refresh_per_second=2) if cfg.live else None
-    if live is not None:
-        live.start()
-    try:
+    with view or waiting:
         while children[0].alive:
             tick()
+            if told is None and (told := stop.reason()) is not None:
+                _tell_trainer_to_stop(children[0], told, console)
             time.sleep(1.0)
         tick()
-    finally:
-        if live is not None:
-            live.stop()
     if children[0].proc.returncode != 0:
         raise RunFailed(
             f"the trainer exited with {children[0].proc.returncode}:\n{children[0].tail()}"
         )
+    return told
+
+
+def _tell_trainer_to_stop(trainer: Child, reason: str, console: Console) -> None:
+    """SIGTERM: the trainer finishes the version in flight, checkpoints and exits."""
+    why = "max_minutes spent" if reason == EarlyStop.BUDGET else "interrupted (Ctrl-C again aborts)"
+    console.print(
+        f"[yellow]{why}: the trainer stops after the version in flight; "
+        "the final model, its eval and the report follow"
+    )
+    trainer.proc.send_signal(signal.SIGTERM)
 
 
 def launch(cfg: RunConfig, console: Console | None = None) -> dict:
@@ -181,9 +208,10 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
         "started": started,
         "status": "running",
         "out": str(out),
+        "max_minutes": cfg.max_minutes,
     }
     with terminate_as_interrupt():
-        _supervise(cfg, trainer_cfg, store, facts, started, console)
+        _supervise(cfg, trainer_cfg, store, facts, started, console, EarlyStop(cfg.max_minutes))
     report = build_report(store)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.html").write_text(render_html(report))
@@ -198,9 +226,12 @@ def _supervise(
     facts: dict,
     started: float,
     console: Console,
+    stop: EarlyStop,
 ) -> None:
-    """Warm start, evaluate, run the children to the end; whatever happens,
-    stop them and record how the run ended in `facts` and the store."""
+    """Warm start, evaluate, run the children to the end (max_versions, the
+    budget, or a first Ctrl-C while they run), export and evaluate the final
+    version; whatever happens, stop them and record how the run ended in `facts`
+    (status: finished, budget, interrupted, failed) and the store."""
     children: list[Child] = []
     try:
         model_path = _warm(cfg, trainer_cfg, console)
@@ -213,12 +244,18 @@ def _supervise(
                 evaluation.model_engine(model_path, _engine(cfg)),
                 console,
             )
-        children += _launch_children(cfg, model_path, store)
-        _write_launch(store, facts, started)
-        _watch(cfg, trainer_cfg.max_versions, store, children, console)
-        wait_exit(children[1:], 60)
-        stop_all(children)
-        facts["status"] = "finished"
+        if stop.reason() == EarlyStop.BUDGET:
+            facts["status"] = "budget"
+            console.print("[yellow]max_minutes spent before training began: no trainer started")
+            return
+        with stop.catching():
+            children += _launch_children(cfg, model_path, store)
+            _write_launch(store, facts, started)
+            told = _watch(cfg, trainer_cfg.max_versions, store, children, console, stop)
+            if told is None:  # workers stop by themselves once the trainer is done
+                wait_exit(children[1:], 60)
+            stop_all(children)
+        facts["status"] = STATUS[told]
         _after(cfg, trainer_cfg, store, console)
     except KeyboardInterrupt:
         facts["status"] = "interrupted"
@@ -229,6 +266,9 @@ def _supervise(
     finally:
         stop_all(children)
         _write_launch(store, facts, started)
+
+
+STATUS = {None: "finished", EarlyStop.BUDGET: "budget", EarlyStop.INTERRUPT: "interrupted"}
 
 
 def _engine(cfg: RunConfig) -> str:
