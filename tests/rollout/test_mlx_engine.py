@@ -85,3 +85,23 @@ def test_stop_strings_and_budgets_hold(engines):
     for ep in eps:
         assert len(ep.tokens) <= 30 and ep.finish in {"done", "eos", "length"}
         assert all("</search>" not in t[: -len("</search>")] for t in ep.turns)
+
+
+def test_shared_prefix_and_refill_keep_mlx_log_probs(engines):
+    # The MLX session takes joining groups too (left-padded caches): what
+    # it records is still the teacher-forced MLX pass, within 1e-4.
+    from rollout.test_continuous import _groups, _responders
+
+    mlx, _ = engines
+    tok = mlx.tokenizer
+    prompts = _groups(tok, 3)
+    params = SamplingParams(max_turn_tokens=5, max_episode_tokens=60)
+    eps = mlx.generate(
+        prompts, _responders(len(prompts), lambda i: 1 + i % 3), params, seed=2, max_rows=4
+    )
+    diffs = []
+    for ep in eps:
+        ref = mlx.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
+        mine = torch.tensor(ep.from_model)
+        diffs.append((ref[mine] - torch.tensor(ep.logprobs)[mine]).abs())
+    assert torch.cat(diffs).max() < 1e-4

@@ -11,6 +11,7 @@ episodes of a batch end independently (finished rows leave the cache).
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,9 +104,37 @@ class Layout:
         return ids, positions, None
 
     def keep(self, rows: list[int]) -> torch.Tensor:
+        """Only these rows go on (an index may repeat: rows sharing a prefix)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.real, self.pos = self.real[index], self.pos[index]
         return index
+
+    def extend(self, other: Layout) -> tuple[int, int]:
+        """Append `other`'s rows, both right-aligned on the longer past.
+
+        Returns the pad columns to put before this layout's cache and before
+        `other`'s, which the backend adds to its own arrays.
+        """
+        a, b = self.real.shape[1], other.real.shape[1]
+        pad_a, pad_b = max(b - a, 0), max(a - b, 0)
+        self.real = torch.cat(
+            [
+                torch.nn.functional.pad(self.real, (pad_a, 0)),
+                torch.nn.functional.pad(other.real, (pad_b, 0)),
+            ]
+        )
+        self.pos = torch.cat([self.pos, other.pos])
+        self.padded = self.padded or other.padded or pad_a > 0 or pad_b > 0
+        return pad_a, pad_b
+
+    def trim(self) -> int:
+        """Drop the leading cache columns no row uses any more; how many."""
+        used = self.real.any(dim=0)
+        if used.numel() == 0 or bool(used[0]):
+            return 0
+        first = int(used.int().argmax()) if bool(used.any()) else used.numel()
+        self.real = self.real[:, first:]
+        return first
 
 
 class Session(Protocol):
@@ -116,7 +145,11 @@ class Session(Protocol):
         ...
 
     def keep(self, rows: list[int]) -> None:
-        """Only these rows (indices into the live rows) go on."""
+        """Only these rows (indices into the live rows, possibly repeated) go on."""
+        ...
+
+    def extend(self, other: Session) -> None:
+        """Take on `other`'s rows (a session of the same backend, prefilled)."""
         ...
 
 
@@ -141,6 +174,35 @@ class _TorchSession:
 
     def keep(self, rows: list[int]) -> None:
         self.cache.batch_select_indices(self.layout.keep(rows))
+        drop = self.layout.trim()
+        if drop:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+
+    def extend(self, other: _TorchSession) -> None:
+        pad_a, pad_b = self.layout.extend(other.layout)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, pad_a), _left_pad(theirs.keys, pad_b)])
+            mine.values = torch.cat(
+                [_left_pad(mine.values, pad_a), _left_pad(theirs.values, pad_b)]
+            )
+
+
+def _left_pad(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """[B, H, T, D] with `columns` zero columns before T (masked out of every query)."""
+    return torch.nn.functional.pad(t, (0, 0, columns, 0)) if columns else t
+
+
+def units(prompts: Sequence[Sequence[int]], max_rows: int) -> list[list[int]]:
+    """Row indices in admission units: runs of one prompt (a group), at most `max_rows` each."""
+    out: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        unit = out[-1] if out else None
+        if unit and prompts[unit[0]] == p and (not max_rows or len(unit) < max_rows):
+            unit.append(i)
+        else:
+            out.append([i])
+    return out
 
 
 class Engine:
@@ -177,20 +239,51 @@ class Engine:
         responders: Sequence[Responder],
         params: SamplingParams,
         seed: int = 0,
+        max_rows: int = 0,
+        share_prefix: bool = True,
     ) -> list[Episode]:
-        """One episode per prompt; `responders[i]` answers episode i's turns."""
+        """One episode per prompt; `responders[i]` answers episode i's turns.
+
+        With `share_prefix`, the rows of one prompt (a group) are prefilled
+        once and the cache copied to each. With `max_rows`, at most that many
+        episodes run at once and, as episodes end, waiting groups join the
+        running batch (continuous batching) instead of the batch shrinking to
+        its slowest row. Both need prompts of 2 tokens or more (the last token
+        is fed with the running batch); otherwise all rows run at once.
+        """
         if len(prompts) != len(responders):
             raise ValueError("one responder per prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        if max_rows < 0:
+            raise ValueError("max_rows must be >= 0")
         gen = torch.Generator().manual_seed(seed)
         stops = StopMatcher(self.tokenizer, params.stop)
         rows = [
             _Row(Episode(list(p), self.version), r, list(p))
             for p, r in zip(prompts, responders, strict=True)
         ]
-        live, session = list(rows), self._session(len(rows))
-        while live:
+        share = share_prefix and all(len(p) >= 2 for p in prompts)
+        waiting = deque(units(prompts, max_rows) if share else [list(range(len(rows)))])
+        live: list[_Row] = []
+        session: Session | None = None
+        while waiting or live:
+            # Admit whole units while they fit (at least one when none runs),
+            # prefilled together.
+            admit: list[_Row] = []
+            while waiting and (
+                not max_rows
+                or not (live or admit)
+                or len(live) + len(admit) + len(waiting[0]) <= max_rows
+            ):
+                admit.extend(rows[i] for i in waiting.popleft())
+            if admit:
+                part = self._prefilled(admit) if share else self._session(len(admit))
+                if session is None:
+                    session = part
+                else:
+                    session.extend(part)
+                live.extend(admit)
             tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
             going = [
                 i
@@ -201,7 +294,21 @@ class Engine:
                 live = [live[i] for i in going]
                 if live:
                     session.keep(going)
+                else:
+                    session = None
         return [r.episode for r in rows]
+
+    def _prefilled(self, unit: list[_Row]) -> Session:
+        """A session holding each row's prompt but its last token, one prefill per
+        distinct prompt; each row's pending chunk becomes that last token."""
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(r.pending), len(distinct)) for r in unit]
+        session = self._session(len(distinct))
+        session.step([list(p[:-1]) for p in distinct])
+        session.keep(index)
+        for r in unit:
+            r.pending = r.pending[-1:]
+        return session
 
     def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:
         """Record a sampled token; False when the episode is over."""

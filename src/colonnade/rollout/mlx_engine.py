@@ -43,7 +43,23 @@ class _MlxSession:
 
     def keep(self, rows: list[int]) -> None:
         index = self.mx.array(self.layout.keep(rows).numpy())
-        self.cache = [(k[index], v[index]) for k, v in self.cache]
+        drop = self.layout.trim()
+        self.cache = [(k[index, :, drop:], v[index, :, drop:]) for k, v in self.cache]
+
+    def extend(self, other: _MlxSession) -> None:
+        pad_a, pad_b = self.layout.extend(other.layout)
+        mx = self.mx
+
+        def left(a, columns: int):
+            return mx.pad(a, [(0, 0), (0, 0), (columns, 0), (0, 0)]) if columns else a
+
+        self.cache = [
+            (
+                mx.concatenate([left(k, pad_a), left(k2, pad_b)]),
+                mx.concatenate([left(v, pad_a), left(v2, pad_b)]),
+            )
+            for (k, v), (k2, v2) in zip(self.cache, other.cache, strict=True)
+        ]
 
 
 class MlxEngine(Engine):

@@ -1,0 +1,149 @@
+"""Shared-prefix groups and continuous batching: same episodes, fuller batches."""
+
+import pytest
+import torch
+
+from colonnade.model import sequence_logprobs
+from colonnade.rollout import Engine, SamplingParams
+from colonnade.rollout.engine import Layout, units
+
+REPLY = " <information>GX3 binds to PRT21 in the liver.</information> "
+
+
+def _responders(n, turns_of):
+    """One responder per row; row i ends after turns_of(i) turns."""
+
+    def make(limit):
+        seen = []
+
+        def respond(text):
+            seen.append(text)
+            return None if len(seen) >= limit else REPLY
+
+        return respond
+
+    return [make(turns_of(i)) for i in range(n)]
+
+
+def _groups(tok, group_size):
+    texts = ["<search>gene GX3", "the quick brown fox", "<answer>", "GX41 binds to PRT"]
+    return [tok.encode(t, add_special_tokens=False) for t in texts for _ in range(group_size)]
+
+
+class _Counting:
+    """Records the rows of every forward step an engine's sessions take."""
+
+    def __init__(self, engine):
+        self.steps: list[int] = []
+        self.by_session: list[list[int]] = []
+        make = engine._session
+
+        def session(batch):
+            s = make(batch)
+            step, mine = s.step, []
+            self.by_session.append(mine)
+
+            def counted(chunks):
+                self.steps.append(len(chunks))
+                mine.append(len(chunks))
+                return step(chunks)
+
+            s.step = counted
+            return s
+
+        engine._session = session
+
+
+def _teacher_gap(model, episodes):
+    gaps = []
+    for ep in episodes:
+        ref = sequence_logprobs(model, ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
+        mine = torch.tensor(ep.from_model)
+        assert mine.any() and (torch.tensor(ep.logprobs)[~mine] == 0).all()
+        gaps.append((ref[mine] - torch.tensor(ep.logprobs)[mine]).abs())
+    return torch.cat(gaps)
+
+
+def test_greedy_episodes_are_the_same_on_every_path(tiny):
+    model, tok = tiny
+    prompts = _groups(tok, 3)
+    params = SamplingParams(temperature=0, max_turn_tokens=5, max_episode_tokens=80)
+    turns = lambda i: 1 + i % 3  # noqa: E731 - rows of a group end at different turns
+    runs = {
+        label: Engine(model, tok).generate(
+            prompts, _responders(len(prompts), turns), params, max_rows=rows, share_prefix=share
+        )
+        for label, share, rows in [("today", False, 0), ("shared", True, 0), ("refill", True, 4)]
+    }
+    for label in ("shared", "refill"):
+        for a, b in zip(runs["today"], runs[label], strict=True):
+            assert a.tokens == b.tokens and a.from_model == b.from_model, label
+            assert a.turns == b.turns and a.finish == b.finish
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_shared_and_refilled_logprobs_equal_teacher_forcing(tiny, tiny_int8):
+    # Sampled episodes (row order and batch make-up differ from today's
+    # path); the recorded log-probs must still be the model's own: fp32 to
+    # 1e-4, int8 within the int8 engine's stated tolerance (max 0.1, mean 0.02).
+    tok = tiny[1]
+    prompts = _groups(tok, 4)
+    params = SamplingParams(max_turn_tokens=5, max_episode_tokens=70)
+    for model, tol, mean_tol in ((tiny[0], 1e-4, 1e-4), (tiny_int8[0], 0.1, 0.02)):
+        eps = Engine(model, tok).generate(
+            prompts, _responders(len(prompts), lambda i: 1 + i % 3), params, seed=3, max_rows=6
+        )
+        gap = _teacher_gap(model, eps)
+        assert gap.max() < tol and gap.mean() < mean_tol
+
+
+def test_a_group_is_prefilled_once_and_the_batch_refills(tiny):
+    model, tok = tiny
+    prompts = _groups(tok, 4)  # 4 groups of 4
+    params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
+    engine = Engine(model, tok)
+    seen = _Counting(engine)
+    eps = engine.generate(
+        prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=8
+    )
+    assert len(eps) == 16 and all(ep.tokens for ep in eps)
+    # Prefills run one row per distinct prompt: never 4 copies of a prompt.
+    # Decode steps never exceed max_rows, and a waiting group joined a batch
+    # still running (a step wider than what was left of the first admission).
+    assert max(seen.steps) <= 8
+    assert seen.steps[0] == 2  # the first two groups' prompts, once each
+    assert sum(n == 1 for n in seen.steps) >= 2  # later groups prefilled alone
+    # The first session runs to the end: its batch grew while it ran.
+    main = seen.by_session[0][1:]  # after its prefill
+    assert any(b > a for a, b in zip(main, main[1:]))
+    assert all(len(s) == 1 for s in seen.by_session[1:])  # joiners: one prefill each
+    today = Engine(model, tok)
+    base = _Counting(today)
+    today.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, share_prefix=False)
+    assert base.steps[0] == 16  # today's path: every row prefills its own prompt
+
+
+def test_units_keep_groups_whole_up_to_max_rows():
+    p = [[1, 2], [1, 2], [1, 2], [3, 4], [5, 6], [5, 6]]
+    assert units(p, 0) == [[0, 1, 2], [3], [4, 5]]
+    assert units(p, 2) == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_layout_extend_aligns_rows_and_trim_drops_unused_columns():
+    a, b = Layout(2, torch.device("cpu")), Layout(1, torch.device("cpu"))
+    a.block([[1, 2, 3], [4, 5, 6]], 0)
+    b.block([[7]], 0)
+    assert a.extend(b) == (0, 2)  # b's single column right-aligned under a's three
+    assert a.real.tolist() == [[True] * 3, [True] * 3, [False, False, True]]
+    assert a.pos.tolist() == [3, 3, 1] and a.padded
+    _, _, mask = a.block([[8], [9], [10]], 0)
+    assert mask[2, 0, 0].tolist() == [False, False, True, True]  # never sees the pads
+    a.keep([2])
+    assert a.trim() == 2 and a.real.tolist() == [[True, True]]
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_max_rows_must_not_be_negative(tiny, bad):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="max_rows"):
+        Engine(model, tok).generate([[1, 2]], [lambda t: None], SamplingParams(), max_rows=bad)
