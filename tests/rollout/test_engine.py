@@ -1,7 +1,8 @@
 import torch
 
 from colonnade.model import sequence_logprobs
-from colonnade.rollout import Engine, SamplingParams, StopMatcher
+from colonnade.protocol.turns import StopMatcher
+from colonnade.rollout import Engine, SamplingParams
 
 REPLY = " <information>GX3 binds to PRT21 in the liver.</information> "
 

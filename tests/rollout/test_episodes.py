@@ -1,5 +1,6 @@
 from colonnade.envs import Score, Success, Task, load_environment
-from colonnade.rollout import Engine, SamplingParams, model_turns, run_episodes
+from colonnade.protocol.turns import model_turns
+from colonnade.rollout import Engine, SamplingParams, run_episodes
 from colonnade.rollout.episodes import Result
 from colonnade.rollout.evaluate import evaluate, figures_line, summarize
 

@@ -11,7 +11,8 @@ from test_samples_and_step import (  # noqa: F401 - sqa fixture below
 )
 
 from colonnade.protocol import GroupRecord
-from colonnade.train.quarantine import QuarantineConfig, accumulate, like_for_like, outliers
+from colonnade.protocol.metrics import add_gate_stats
+from colonnade.train.quarantine import QuarantineConfig, like_for_like, outliers
 from colonnade.train.step import StepConfig, policy_logprobs, train_step
 
 CFG = QuarantineConfig(factor=5.0, min_tokens=100)
@@ -43,8 +44,8 @@ def test_outliers_rule():
     # Two workers: the honest one is never flagged for the liar's figures.
     assert list(_judged({"a": honest["a"], "x": liar["x"]})) == ["x"]
     total = {}
-    accumulate(total, {"a": _s(10, 9, 0.1)})
-    accumulate(total, {"a": _s(10, 10, 0.1)})
+    add_gate_stats(total, {"a": _s(10, 9, 0.1)})
+    add_gate_stats(total, {"a": _s(10, 10, 0.1)})
     assert total["a"] == {"tokens": 20, "kept": 19, "kl_sum": 2.0}
 
 

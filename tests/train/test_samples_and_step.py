@@ -7,7 +7,7 @@ import torch
 
 from colonnade.envs import load_environment
 from colonnade.protocol import EpisodeRecord, GroupRecord
-from colonnade.rollout.episodes import chat_prompt
+from colonnade.protocol.turns import chat_prompt
 from colonnade.train.samples import Rejected, rebuild_group
 from colonnade.train.step import StepConfig, policy_logprobs, train_step
 

@@ -14,12 +14,12 @@ import torch
 from colonnade.envs import Environment
 from colonnade.model import load_dequantized, tied_aliases
 from colonnade.protocol import Follower, RunSpec, keys
+from colonnade.protocol.model_files import fetch_model
 from colonnade.protocol.schemas import MAX_JSON_BYTES
 from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.engine import Engine
 from colonnade.rollout.evaluate import Progress, evaluate
 from colonnade.rollout.loader import engine_for, resolve_engine
-from colonnade.rollout.worker import fetch_model
 from colonnade.store import ObjectStore
 
 

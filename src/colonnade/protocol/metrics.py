@@ -92,6 +92,21 @@ class TrainerRow:
         return cls(**_from_dict(cls, d, counts=True))
 
 
+def gate_figures(stats: dict[str, float]) -> tuple[float, float]:
+    """(|mismatch KL| per token, masked fraction) of one worker's gate stats
+    (a `gate_by_worker` value, or a sum of them)."""
+    n = max(1, stats["tokens"])
+    return abs(stats["kl_sum"]) / n, 1.0 - stats["kept"] / n
+
+
+def add_gate_stats(total: dict[str, dict], step: dict[str, dict]) -> None:
+    """Add one row's `gate_by_worker` into the running totals per worker."""
+    for w, s in step.items():
+        t = total.setdefault(w, {"tokens": 0, "kept": 0, "kl_sum": 0.0})
+        for k in t:
+            t[k] += s[k]
+
+
 @dataclass(frozen=True)
 class WorkerRow:
     """One uploaded batch, by a worker (`metrics/worker-{id}/`)."""

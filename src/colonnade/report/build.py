@@ -19,12 +19,18 @@ from dataclasses import asdict
 
 from colonnade.protocol import RunSpec, keys, read_meta
 from colonnade.protocol.documents import ConsumedLedger, Quarantine, read_document
-from colonnade.protocol.metrics import REJECTED_PREFIX, TrainerRow, WorkerRow, declared
+from colonnade.protocol.metrics import (
+    REJECTED_PREFIX,
+    TrainerRow,
+    WorkerRow,
+    add_gate_stats,
+    declared,
+    gate_figures,
+)
 from colonnade.protocol.presence import worker_heartbeats
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
 from colonnade.store import NotFound, ObjectStore
 from colonnade.telemetry import read_trainer_rows, read_worker_rows
-from colonnade.train.quarantine import accumulate, figures
 
 # The trainer's figures per version in report.json's "series" (besides wall_s).
 SERIES = declared(
@@ -75,8 +81,8 @@ def _worker(rows: list[WorkerRow], accepted: dict[str, int], gate: dict | None, 
         "store_errors": sum(r.store_errors for r in rows),
         "groups_accepted": accepted.get("groups", 0),
         "rejected": {k: n for k, n in accepted.items() if k != "groups"},
-        "gate_masked_fraction": round(figures(gate)[1], 5) if gate else None,
-        "mismatch_kl": round(figures(gate)[0], 6) if gate else None,
+        "gate_masked_fraction": round(gate_figures(gate)[1], 5) if gate else None,
+        "mismatch_kl": round(gate_figures(gate)[0], 6) if gate else None,
         "engine": hb.engine if hb else None,
         "last_version": hb.version if hb else None,
     }
@@ -86,7 +92,7 @@ def _workers(store: ObjectStore, trainer_rows: list[TrainerRow]) -> dict[str, di
     consumed = trainer_rows[-1].per_worker if trainer_rows else {}
     gate: dict[str, dict] = {}
     for r in trainer_rows:
-        accumulate(gate, r.gate_by_worker)
+        add_gate_stats(gate, r.gate_by_worker)
     heartbeats = worker_heartbeats(store)
     return {
         wid: _worker(rows, consumed.get(wid, {}), gate.get(wid), heartbeats.get(wid))

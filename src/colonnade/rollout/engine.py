@@ -18,8 +18,9 @@ from typing import Protocol
 
 import torch
 
+from colonnade.protocol.turns import StopMatcher
+
 from .sampling import SamplingParams, sample
-from .stops import StopMatcher
 
 # turn text (up to its stop string) -> environment text to append, or None to end
 Responder = Callable[[str], "str | None"]

@@ -8,28 +8,9 @@ are off by default: they make μ differ from any π the trainer computes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    max_turn_tokens: int = 96  # model tokens per turn
-    max_episode_tokens: int = 512  # model + environment tokens after the prompt
-    stop: tuple[str, ...] = ()  # end a turn when the turn's text contains one
-    ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed lengths)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("top_k must be >= 0 and top_p in (0, 1]")
-        if self.max_turn_tokens < 1 or self.max_episode_tokens < 1:
-            raise ValueError("token limits must be >= 1")
+from colonnade.protocol.turns import SamplingParams
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -19,7 +19,6 @@ import platform
 import random
 import signal
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from colonnade.protocol import (
 )
 from colonnade.protocol.documents import Quarantine, WorkerHeartbeat, read_document
 from colonnade.protocol.metrics import WorkerRow
+from colonnade.protocol.model_files import fetch_model
 from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
 from colonnade.protocol.signing import load_private, sign
@@ -125,21 +125,6 @@ def wait_for_run(store: ObjectStore, timeout: float, poll: float) -> RunSpec:
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"no run.json under {store.url} after {timeout:.0f} s") from None
             time.sleep(poll)
-
-
-def fetch_model(store: ObjectStore, spec: RunSpec):
-    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
-    for name in spec.model_files:
-        (folder / name).write_bytes(store.get(keys.model_file(name), max_bytes=64 << 20))
-    config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model.eval(), tok
 
 
 class Worker:

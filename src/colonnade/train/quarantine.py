@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from colonnade.protocol.documents import QuarantineDecision
+from colonnade.protocol.metrics import gate_figures
 
 log = logging.getLogger("colonnade.trainer")
 
@@ -39,12 +40,6 @@ class QuarantineConfig:
 REFERENCED = ("tokens", "kl", "ref_kl", "masked", "ref_masked")
 
 
-def figures(stats: dict[str, float]) -> tuple[float, float]:
-    """(|mismatch KL| per token, masked fraction) of summed per-worker gate stats."""
-    n = max(1, stats["tokens"])
-    return abs(stats["kl_sum"]) / n, 1.0 - stats["kept"] / n
-
-
 def like_for_like(step: dict[str, dict[str, dict]]) -> dict[str, dict]:
     """One step's {worker: {version: gate stats}} as {worker: its stats on the rows
     whose version other workers also sent, with the others' median per-token
@@ -53,11 +48,11 @@ def like_for_like(step: dict[str, dict[str, dict]]) -> dict[str, dict]:
     for v in sorted({v for per_v in step.values() for v in per_v}):
         at = {w: per_v[v] for w, per_v in step.items() if per_v.get(v, {}).get("tokens")}
         for w, s in at.items():
-            others = [figures(o) for u, o in at.items() if u != w]
+            others = [gate_figures(o) for u, o in at.items() if u != w]
             if not others:
                 continue
             t = out.setdefault(w, dict.fromkeys(REFERENCED, 0.0))
-            kl, masked = figures(s)
+            kl, masked = gate_figures(s)
             t["tokens"] += s["tokens"]
             t["kl"] += kl * s["tokens"]
             t["masked"] += masked * s["tokens"]
@@ -82,14 +77,6 @@ def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
         elif masked > max(cfg.masked_floor, cfg.factor * ref_masked):
             out[w] = f"gate masked {masked:.2%} against the others' {ref_masked:.2%}"
     return out
-
-
-def accumulate(total: dict[str, dict], step: dict[str, dict]) -> None:
-    """Add one step's {worker: tokens, kept, kl_sum} into the running totals."""
-    for w, s in step.items():
-        t = total.setdefault(w, {"tokens": 0, "kept": 0, "kl_sum": 0.0})
-        for k in t:
-            t[k] += s[k]
 
 
 @dataclass

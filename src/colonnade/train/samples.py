@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from colonnade.envs import Environment, Score
 from colonnade.protocol import EpisodeRecord, GroupRecord
-from colonnade.rollout.episodes import chat_prompt, model_turns
+from colonnade.protocol.turns import chat_prompt, model_turns
 
 
 class Rejected(ValueError):

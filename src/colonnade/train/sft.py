@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from colonnade.envs import Demonstrating, Environment, Task
-from colonnade.rollout.episodes import chat_prompt
+from colonnade.protocol.turns import chat_prompt
 
 
 @dataclass(frozen=True)

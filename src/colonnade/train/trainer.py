@@ -44,14 +44,14 @@ from colonnade.protocol.documents import (
     read_document,
 )
 from colonnade.protocol.metrics import TrainerRow
+from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import fresh_workers
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, batch_bytes_bound
 from colonnade.protocol.signing import keyring_json, load_keyring
+from colonnade.protocol.turns import SamplingParams, episode_stops
 from colonnade.protocol.weights import VersionError
 from colonnade.pulse import HASHES
-from colonnade.rollout.episodes import episode_stops
-from colonnade.rollout.sampling import SamplingParams
 from colonnade.store import ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
@@ -67,7 +67,6 @@ from .samples import rebuild_group
 from .step import StepConfig, StepFigures, train_step
 
 log = logging.getLogger("colonnade.trainer")
-MODEL_FILE_LIMIT = 64 << 20
 PING_SECONDS = 20.0  # rank 0 tells waiting ranks it lives at least this often
 DTYPES = ("auto", "bf16", "fp32")
 
@@ -152,18 +151,6 @@ def warmup_lr(lr: float, version: int, warmup: int) -> float:
     `warmup` versions (a function of the version, so a resumed run goes on
     where it was)."""
     return lr * min(1.0, (version + 1) / warmup) if warmup > 0 else lr
-
-
-def _model_files(model_dir: Path) -> dict[str, bytes]:
-    """Everything but weights: config, tokenizer, generation config."""
-    out = {}
-    for p in sorted(model_dir.iterdir()):
-        weights = p.name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
-        if p.is_file() and not weights and p.stat().st_size:
-            if p.stat().st_size > MODEL_FILE_LIMIT:
-                raise ValueError(f"{p}: larger than {MODEL_FILE_LIMIT} bytes")
-            out[p.name] = p.read_bytes()
-    return out
 
 
 def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
@@ -350,7 +337,7 @@ class Trainer:
         self._load_keys()
 
     def _start(self) -> None:
-        files = _model_files(self.model_dir)
+        files = model_files(self.model_dir)
         for name, data in files.items():
             self.store.put(keys.model_file(name), data)
         spec = run_spec(self.cfg, sorted(files), self.vocab)

@@ -1,0 +1,49 @@
+"""The model's files under `model/`: config, tokenizer, generation config.
+
+The trainer uploads them once, when it starts a run (`model_files` picks
+them from its model directory; run.json's `model_files` names them). A
+worker, and the evaluation of a published version, read them back with
+`fetch_model` into a float skeleton whose weights then come from
+`weights/` (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from colonnade.store import ObjectStore
+
+from . import keys
+from .schemas import RunSpec
+
+MODEL_FILE_LIMIT = 64 << 20  # bytes, one file: written and read under this bound
+
+
+def model_files(model_dir: Path) -> dict[str, bytes]:
+    """Everything but weights: config, tokenizer, generation config."""
+    out = {}
+    for p in sorted(model_dir.iterdir()):
+        weights = p.name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
+        if p.is_file() and not weights and p.stat().st_size:
+            if p.stat().st_size > MODEL_FILE_LIMIT:
+                raise ValueError(f"{p}: larger than {MODEL_FILE_LIMIT} bytes")
+            out[p.name] = p.read_bytes()
+    return out
+
+
+def fetch_model(store: ObjectStore, spec: RunSpec):
+    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
+    for name in spec.model_files:
+        (folder / name).write_bytes(store.get(keys.model_file(name), max_bytes=MODEL_FILE_LIMIT))
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok

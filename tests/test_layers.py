@@ -1,0 +1,145 @@
+"""The import graph of src/colonnade shows the roles, with data flowing one way.
+
+Floors, bottom up (a package imports only from floors below it, or from
+itself):
+
+1. foundations: `untrusted`, `background`, `config`, `progress`, `store`,
+   `envs` (none imports another colonnade package), then `pulse` (the
+   weight codec) and `model` (the networks, over pulse's codes);
+2. `protocol`: everything the trainer and the workers share: keys, typed
+   documents, the rollout batch, weight versions, the model files, the
+   episode contract (`protocol/turns.py`);
+3. `telemetry`: metric rows written and read, over protocol;
+4. the two sides, which never import each other: `rollout` (the worker)
+   and `train` (the trainer);
+5. `report`: reads a run's store through protocol and telemetry, whichever
+   side wrote it; it imports neither side;
+6. `launch` composes a run (it starts the sides, evaluates, reports);
+7. `cli` and `bench`, the entrypoints.
+
+And one rule across floors: a side's role module (`rollout.worker`,
+`train.trainer`) is run by the CLI; anything else outside its package
+takes only its `*Config` from it (launch builds configs), never its
+internals (what both need belongs in protocol).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "colonnade"
+
+FOUNDATIONS = {"untrusted", "background", "config", "progress", "store", "envs"}
+_BELOW_PROTOCOL = FOUNDATIONS | {"pulse", "model"}
+_SIDE = _BELOW_PROTOCOL | {"protocol", "telemetry"}
+_RUN = _SIDE | {"rollout", "train", "report"}
+
+# package -> the packages it may import (besides itself)
+ALLOWED: dict[str, set[str]] = {
+    **{name: set() for name in FOUNDATIONS},
+    "pulse": {"untrusted"},
+    "model": {"pulse", "untrusted"},
+    "protocol": _BELOW_PROTOCOL,
+    "telemetry": _BELOW_PROTOCOL | {"protocol"},
+    "rollout": _SIDE,
+    "train": _SIDE,
+    "report": {"untrusted", "store", "envs", "protocol", "telemetry"},
+    "launch": _RUN,
+    "cli": _RUN | {"launch"},
+    "bench": _RUN | {"launch"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+ROLE_MODULES = ("colonnade.rollout.worker", "colonnade.train.trainer")
+ROLE_CALLERS = {"cli"}  # packages that may run a role, not only configure it
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(absolute module, names, line) of every import in `path`, lazy ones included."""
+    here = _module(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            names = [a.name for a in node.names]
+            out.append((base, names, node.lineno))
+            if base == "colonnade":  # `from colonnade import untrusted`: a module
+                mods = [n for n in names if (SRC / n).is_dir() or (SRC / f"{n}.py").is_file()]
+                out += [(f"colonnade.{n}", [], node.lineno) for n in mods]
+    return out
+
+
+def _owner(module: str) -> str | None:
+    """The package of src/colonnade a module belongs to (None: not ours)."""
+    parts = module.split(".")
+    if parts[0] != "colonnade" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _edges():
+    for path in sorted(SRC.rglob("*.py")):
+        mine = _owner(_module(path)) or "__init__"
+        for target, names, line in _imports(path):
+            yield path.relative_to(SRC), mine, target, names, line
+
+
+def test_every_package_has_a_floor():
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in SRC.glob("*.py")}
+    assert (packages | modules) - set(ALLOWED) == set()
+
+
+def test_packages_import_only_from_the_floors_below():
+    wrong = [
+        f"{path}:{line} ({mine}) imports {target}"
+        for path, mine, target, _, line in _edges()
+        if (owner := _owner(target)) not in (None, mine) and owner not in ALLOWED[mine]
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    ("side", "never"),
+    [
+        ("train", {"rollout", "launch", "report"}),
+        ("rollout", {"train", "launch", "report"}),
+        ("report", {"train", "rollout", "launch"}),
+        ("protocol", {"train", "rollout", "launch", "report", "telemetry"}),
+    ],
+)
+def test_the_sides_share_only_protocol(side, never):
+    assert never.isdisjoint(ALLOWED[side])
+
+
+def test_role_modules_are_run_only_by_the_cli():
+    wrong = [
+        f"{path}:{line} takes {names} from {target}"
+        for path, mine, target, names, line in _edges()
+        if target in ROLE_MODULES
+        and _owner(target) != mine
+        and mine not in ROLE_CALLERS
+        and not all(n.endswith("Config") for n in names)
+    ]
+    assert wrong == []
+
+
+def test_the_checker_sees_lazy_and_relative_imports():
+    """The rules above would pass vacuously if imports went unseen."""
+    found = {(t, tuple(n)) for t, n, _ in _imports(SRC / "rollout" / "episodes.py")}
+    assert ("colonnade.rollout.engine", ("Engine", "Episode")) in found
+    lazy = {t for t, _, _ in _imports(SRC / "launch" / "run.py")}
+    assert "colonnade.report" in lazy  # imported inside a function
+    assert "colonnade.untrusted" in {t for t, _, _ in _imports(SRC / "protocol" / "schemas.py")}
