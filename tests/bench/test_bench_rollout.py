@@ -17,6 +17,9 @@ def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     rows = [r for r in out if "kind" not in r]
     (machine,) = [r for r in out if r.get("kind") == "machine"]
+    (groups,) = [r for r in out if r.get("kind") == "groups"]
+    assert groups["model"] == "tiny" and groups["group_size"] == 8
+    assert groups["baseline_episodes_s"] > 0 and groups["shared_episodes_s"] > 0
     assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 8)]
     for r in rows:
         assert set(r) >= KEYS

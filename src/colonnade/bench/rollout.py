@@ -44,6 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, batches 1,8, 16 tokens")
     p.add_argument("--json", action="store_true", help="print result rows as JSON on stdout")
     p.add_argument("--no-mlx", action="store_true", help="leave out the MLX rows")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        help="groups rows: searchqa episodes per task, int8 engine (0: no groups rows; default 8)",
+    )
+    p.add_argument(
+        "--group-tasks", type=int, default=8, help="groups rows: tasks (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=16,
+        help="groups rows: episodes running at once on both paths (default %(default)s)",
+    )
 
 
 def log(msg: str) -> None:
@@ -187,6 +202,49 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
     return row
 
 
+def measure_groups(engine, group_size: int, n_tasks: int, max_rows: int, repeats: int) -> dict:
+    """Episodes/s on searchqa (multi-turn, real tool replies) at `group_size`,
+    today's path against prefix sharing + refill, same tasks, same seed.
+
+    Today's path is a worker's: a batch of whole groups (`max_rows` rows)
+    per `generate`, every row prefilling its prompt, the batch shrinking to
+    its slowest row. The other runs all the groups in one `generate` with
+    at most `max_rows` rows at once, a group's prompt prefilled once and
+    waiting groups joining as episodes end.
+    """
+    from colonnade.envs import load_environment
+    from colonnade.rollout import SamplingParams
+    from colonnade.rollout.episodes import run_episodes
+
+    env = load_environment("searchqa")
+    tasks = list(env.tasks("train"))[:n_tasks]
+    params = SamplingParams()  # a worker's defaults: 96 tokens a turn, 512 an episode
+    per_call = max(1, max_rows // group_size)
+
+    def today() -> int:
+        done = 0
+        for i in range(0, len(tasks), per_call):
+            chunk = [t for t in tasks[i : i + per_call] for _ in range(group_size)]
+            done += len(run_episodes(engine, env, chunk, params, seed=i, share_prefix=False))
+        return done
+
+    def shared() -> int:
+        rows = [t for t in tasks for _ in range(group_size)]
+        return len(run_episodes(engine, env, rows, params, seed=0, max_rows=max_rows))
+
+    base, _ = _time(today, repeats)
+    new, _ = _time(shared, repeats)
+    return {
+        "kind": "groups",
+        "group_size": group_size,
+        "tasks": len(tasks),
+        "max_rows": max_rows,
+        "baseline_episodes_s": round(base, 3),
+        "shared_episodes_s": round(new, 3),
+        "shared_over_baseline": round(new / base, 2),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
@@ -194,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in models if m not in MODELS]
     if bad or not batches or min(batches) < 1 or tokens < 1 or args.repeats < 1:
         raise SystemExit(f"error: models must be among {MODELS}; batches, tokens, repeats >= 1")
+    if args.group_size < 0 or args.group_tasks < 1 or args.max_rows < max(args.group_size, 1):
+        raise SystemExit("error: --group-size >= 0, --group-tasks >= 1, --max-rows >= group size")
     if args.threads:
         torch.set_num_threads(args.threads)
     mlx = not args.no_mlx and _mlx_or_say()
@@ -208,11 +268,19 @@ def run(args: argparse.Namespace) -> int:
         for b in batches:
             log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
             rows.append({"model": name, **measure(engines, b, tokens, args.repeats, bandwidth)})
+        if args.group_size > 0:
+            tasks = 2 if args.quick else args.group_tasks
+            log(f"{name}: groups of {args.group_size}, {tasks} searchqa tasks, int8")
+            groups = measure_groups(
+                engines["int8"], args.group_size, tasks, args.max_rows, args.repeats
+            )
+            rows.append({"model": name, **groups})
     machine = machine_row(bandwidth)
     if args.json:
         print(json.dumps([*rows, machine], indent=2))
     else:
-        print(markdown_table(rows, mlx))
+        print(markdown_table([r for r in rows if "kind" not in r], mlx))
+        print(groups_table([r for r in rows if r.get("kind") == "groups"]))
         print(machine_text(machine))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
@@ -232,6 +300,21 @@ def machine_row(bandwidth: float) -> dict:
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "int8_kernels": planner().summary(),
     }
+
+
+def groups_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    head = (
+        "\n| model | group size | tasks | max rows | today episodes/s "
+        "| shared + refill episodes/s | ratio |\n|---|---|---|---|---|---|---|"
+    )
+    body = [
+        f"| {r['model']} | {r['group_size']} | {r['tasks']} | {r['max_rows']} "
+        f"| {r['baseline_episodes_s']} | {r['shared_episodes_s']} | {r['shared_over_baseline']} |"
+        for r in rows
+    ]
+    return "\n".join([head, *body])
 
 
 def machine_text(m: dict) -> str:
