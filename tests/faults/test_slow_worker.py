@@ -88,17 +88,24 @@ def test_a_slow_worker_does_not_hold_back_a_fast_one(tmp_path):
     # The slow worker's own metrics say how far behind each batch landed.
     skews = [r["version_skew"] for r in read_rows(store, "worker")["worker-slow"]]
     assert max(skews) > MAX_LAG
-    _check_pace(store, taken)
+    _check_pace(store, consumed, taken)
     _report(store, consumed, uploaded, taken, stale, skews)
 
 
-def _check_pace(store, taken) -> None:
-    """The trainer went at the fast worker's pace, not the slow one's."""
-    assert len(taken["fast"]) >= 10 * max(1, len(taken["slow"])), taken["slow"]
+def _check_pace(store, consumed, taken) -> None:
+    """The trainer went at the fast worker's pace, not the slow one's: it
+    published every version in turn, every step trained on the fast worker's
+    batches, and the slow one's are at most a tenth of what it took.
+
+    Counts, not seconds: how long a version took against DELAY is a figure
+    (`_report` prints it; measured runs in docs/reliability.md), which a
+    loaded machine would turn into a failure of a rule that still held.
+    """
     rows = read_rows(store, "trainer")["trainer-main"]
     assert [r["version"] for r in rows] == list(range(1, VERSIONS + 1))
-    # A version in less than one slow batch's delay: the step never waited on it.
-    assert statistics.median(r["step_seconds"] for r in rows) < DELAY / 2
+    with_fast = {v for k, v in consumed.items() if keys.parse_rollout_key(k)[1] == "fast"}
+    assert with_fast == set(range(1, VERSIONS + 1))
+    assert len(taken["fast"]) >= 10 * max(1, len(taken["slow"])), taken["slow"]
 
 
 def _report(store, consumed, uploaded, taken, stale, skews) -> None:

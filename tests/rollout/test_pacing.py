@@ -1,17 +1,17 @@
 """Worker pacing: no batches of a version beyond a step's worth of its groups."""
 
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 
+import colonnade.rollout.worker as worker_module
 from colonnade.protocol import RunSpec, keys
 from colonnade.protocol.documents import Quarantine, QuarantineDecision
 from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import Latest, VersionMeta, dumps
 from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig, pace_quota
 from colonnade.store import LocalStore
+from colonnade.store.counting import Counting
 
 
 def _worker(tmp_path, pace_seconds=5.0, groups_per_step=4, max_lag=0):
@@ -32,6 +32,49 @@ def _publish(store, v):
     meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
     store.put(keys.meta_key(v), meta.to_json())
     store.put(keys.LATEST, Latest(v, meta).to_json())
+
+
+class Clock:
+    """Stands in for the worker's `time` module: a sleep moves the clock on
+    at once, so a wait is counted in polls, not measured."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.naps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.naps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(worker_module, "time", c)
+    return c
+
+
+class PublishOnPoll(Counting):
+    """Counts requests; publishes `version` when latest.json is read the `at`-th time."""
+
+    def __init__(self, inner, version: int, at: int):
+        super().__init__(inner)
+        self.version, self.at, self.polls = version, at, 0
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        if key == keys.LATEST:
+            self.polls += 1
+            if self.polls == self.at:
+                _publish(self.inner, self.version)
+        return super().get(key, max_bytes=max_bytes)
 
 
 def test_quota_counts_every_workers_batches_of_the_version(tmp_path):
@@ -66,22 +109,23 @@ def test_no_pacing_when_off_or_when_the_run_does_not_say_its_step(tmp_path):
         assert not w.quota_full()
 
 
-def test_a_paced_worker_moves_on_when_a_newer_version_appears(tmp_path):
+def test_a_paced_worker_moves_on_when_a_newer_version_appears(tmp_path, clock):
     w, store = _worker(tmp_path, pace_seconds=30.0)
     _publish(store, 3)
-    threading.Timer(0.4, _publish, (store, 4)).start()
-    t0 = time.monotonic()
+    w.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
     assert w.wait_for_newer()
-    assert 0.3 < time.monotonic() - t0 < 5
-    assert w.pending_time["paced_seconds"] > 0.3
+    assert polled.polls == 3 and w.pointer.version == 4  # it stopped at the poll that saw v4
+    # The wait is counted as paced time: three polls' worth.
+    assert len(clock.naps) == 3 and w.pending_time["paced_seconds"] == pytest.approx(clock.now)
 
 
-def test_a_paced_worker_gives_up_waiting_after_pace_seconds(tmp_path):
+def test_a_paced_worker_gives_up_waiting_after_pace_seconds(tmp_path, clock):
     w, store = _worker(tmp_path, pace_seconds=0.5)
     _publish(store, 3)
-    t0 = time.monotonic()
     assert not w.wait_for_newer()  # the quota's batches were refused: make one anyway
-    assert time.monotonic() - t0 >= 0.5
+    # It polled until pace_seconds had passed, and not one poll longer.
+    assert clock.now >= 0.5 and clock.now - clock.naps[-1] < 0.5
+    assert w.pending_time["paced_seconds"] == pytest.approx(clock.now)
 
 
 def test_a_stop_or_the_runs_end_ends_the_wait(tmp_path):
@@ -132,12 +176,10 @@ def test_polls_follow_the_time_between_versions():
     assert moving_gap(2.0, 1.0) == pytest.approx(1.8)
 
 
-def test_a_waiting_worker_makes_one_request_a_poll(tmp_path):
-    from colonnade.store.counting import Counting
-
+def test_a_waiting_worker_makes_one_request_a_poll(tmp_path, clock):
     w, store = _worker(tmp_path, pace_seconds=0.5)
     _publish(store, 3)
     w.store = counting = Counting(store)
     assert not w.wait_for_newer()
-    polls = counting.counts["get"]
-    assert polls >= 2 and dict(counting.counts) == {"get": polls}  # latest.json, nothing else
+    # latest.json once a nap, nothing else
+    assert dict(counting.counts) == {"get": len(clock.naps)} and len(clock.naps) >= 2

@@ -1,9 +1,12 @@
-"""Several processes race on put_if_absent: exactly one wins, its bytes stay."""
+"""Several processes race on put_if_absent: exactly one wins, its bytes stay.
+
+The start is a barrier: each process imports, opens the store, says it is
+ready and waits for the go file; the go file appears once all have said so.
+"""
 
 import json
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -19,6 +22,7 @@ import os, sys, time, json
 from colonnade.store import open_store
 url, endpoint, key, go, me = sys.argv[1:6]
 store = open_store(url, endpoint_url=endpoint or None)
+print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.001)
 won = store.put_if_absent(key, f"writer-{me}".encode())
@@ -37,7 +41,8 @@ def _race(tmp_path, url: str, endpoint: str, read) -> None:
         )
         for i in range(N)
     ]
-    time.sleep(2.0)  # let every process import and reach the barrier
+    ready = [p.stdout.readline() for p in procs]  # blocks until each has reached the barrier
+    assert ready == ["ready\n"] * N, ready  # "": that process died before it
     go.touch()
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)

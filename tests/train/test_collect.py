@@ -18,6 +18,18 @@ def _rebuild(group, version):
     return [Sample(group.task_id, version, 1, [0, 1, 2], [True, True], [-0.1, -0.2], None)] * 2
 
 
+class Asked:
+    """A collector's `stop`: true from its `n`-th call on; counts the calls
+    (one a round that found too few groups), so a wait is a count of rounds."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.n
+
+
 def test_window_consumption_and_stale_counting(tmp_path):
     store = LocalStore(tmp_path)
     for v in range(4):
@@ -25,7 +37,7 @@ def test_window_consumption_and_stale_counting(tmp_path):
     _put(store, 3, "w2", 0, task="bad")
     store.put(keys.rollout_key(3, "w3", 0), b"garbage")
     c = Collector(store, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01)
-    got = c.collect(3, need=3, timeout=0.5)  # only two good groups exist
+    got = c.collect(3, need=3, stop=Asked(2))  # only two good groups exist
     assert sorted(g[0].version for g in got.groups) == [2, 3]
     assert dict(got.staleness) == {1: 1, 0: 1}
     assert c.counts["batches_dropped_stale"] == 2  # v0 and v1
@@ -35,13 +47,15 @@ def test_window_consumption_and_stale_counting(tmp_path):
     assert sorted(got.rejected) == [keys.rollout_key(3, w, 0) for w in ("w2", "w3")]
     assert c.per_worker["w2"]["groups_rejected"] == 1
     # Nothing is taken twice: the next collection waits for new batches.
-    again = c.collect(3, need=1, timeout=0.2)
-    assert again.groups == [] and again.wait_seconds >= 0.2
+    asked = Asked(3)
+    again = c.collect(3, need=1, stop=asked)
+    assert again.groups == [] and asked.calls == 3  # it went on looking until told to stop
     _put(store, 3, "w1", 9, task="t9")
-    assert len(c.collect(3, need=1, timeout=1).groups) == 1
+    found = Asked(1)
+    assert len(c.collect(3, need=1, stop=found).groups) == 1 and found.calls == 0
     # A collector that starts from the persisted keys skips them too.
     c2 = Collector(store, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))
-    assert c2.collect(3, need=1, timeout=0.2).groups == []
+    assert c2.collect(3, need=1, stop=Asked(2)).groups == []
 
 
 def test_take_order_newest_first_workers_in_turn():
@@ -54,10 +68,15 @@ def test_take_order_newest_first_workers_in_turn():
     assert take_order({}) == [] and take_order({1: []}) == []
 
 
-def test_collector_stops_waiting_when_asked(tmp_path):
+def test_collector_stops_waiting_when_asked(tmp_path, monkeypatch):
+    import colonnade.train.collect as collect
+
+    naps = []
+    monkeypatch.setattr(collect.time, "sleep", naps.append)
     c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
-    got = c.collect(0, need=1, stop=lambda: True)
-    assert got.groups == [] and got.wait_seconds < 1
+    asked = Asked(1)
+    got = c.collect(0, need=1, stop=asked)
+    assert got.groups == [] and asked.calls == 1 and naps == []  # not one nap after the word
 
 
 def test_quarantined_workers_are_refused_and_samples_name_their_worker(tmp_path):
@@ -65,7 +84,7 @@ def test_quarantined_workers_are_refused_and_samples_name_their_worker(tmp_path)
     _put(store, 0, "good", 0)
     _put(store, 0, "bad", 0)
     c = Collector(store, _rebuild, 10, 8, 1, 0.01, quarantined={"bad"})
-    got = c.collect(0, need=2, timeout=0.3)
+    got = c.collect(0, need=2, stop=Asked(2))
     assert len(got.groups) == 1 and all(s.worker == "good" for s in got.groups[0])
     assert c.counts["rejected_quarantined"] == 1 and c.per_worker["bad"]["batches_rejected"] == 1
 
