@@ -1,8 +1,11 @@
 """`colonnade run` end to end: the report it writes, `colonnade report`, Ctrl-C,
 SIGTERM and --max-minutes.
 
-Both runs use the smoke preset shortened by a run.toml (a short warm start
-and a few versions) so the file stays within a minute or two on 2 cores.
+Every run uses the smoke preset shortened by a run.toml so the file stays
+within a few minutes on 2 cores: the full run keeps the preset's warm start
+and trains 12 versions, enough to learn (held-out pass@1 0.34 -> 0.91-0.94 in
+docs/benchmarks.md's last section); the runs that are stopped early take a
+short warm start.
 """
 
 import json
@@ -27,13 +30,20 @@ def _env(tmp_path):
     return {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
-def _config(tmp_path, versions):
+def _config(tmp_path, versions, warmstart_steps=20, eval_n=16):
     f = tmp_path / "run.toml"
     f.write_text(
-        f"warmstart_steps = 20\neval_n = 16\n[trainer]\nmax_versions = {versions}\n"
-        "checkpoint_every = 100\n"
+        f"warmstart_steps = {warmstart_steps}\neval_n = {eval_n}\n"
+        f"[trainer]\nmax_versions = {versions}\ncheckpoint_every = 100\n"
     )
     return f
+
+
+# The run that learns: the preset's warm start, 12 versions, 32 held-out tasks.
+VERSIONS, EVAL_N = 12, 32
+# Held-out pass@1 rises at least this much (measured: +0.56 to +0.59, three runs;
+# one standard error of the after figure at n=32 is about 0.05).
+LEARNS = 0.3
 
 
 def _cli(*args):
@@ -43,23 +53,25 @@ def _cli(*args):
 @pytest.mark.timeout(400)
 def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
     out = tmp_path / "run"
-    cfg = _config(tmp_path, 4)
+    cfg = _config(tmp_path, VERSIONS, warmstart_steps=300, eval_n=EVAL_N)
     cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
     p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=380)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "after: pass@1" in p.stdout
     report = json.loads((out / "report.json").read_text())
     assert set(report) >= REPORT_KEYS
-    assert report["status"] == "finished" and report["versions_published"] == 4
-    for which in ("before", "after"):
-        ev = report["eval"][which]
-        assert ev["n"] == 16 and 0 <= ev["pass_at_1"] <= 1
-    assert report["eval"]["before"]["version"] == 0 and report["eval"]["after"]["version"] == 4
+    assert report["status"] == "finished" and report["versions_published"] == VERSIONS
+    before, after = report["eval"]["before"], report["eval"]["after"]
+    assert before["n"] == after["n"] == EVAL_N
+    assert before["version"] == 0 and after["version"] == VERSIONS
+    # The smoke run learns: held-out pass@1 of the version workers run, against v0's.
+    assert after["pass_at_1"] >= before["pass_at_1"] + LEARNS, (before, after)
     assert set(report["workers"]) == {"w1", "w2"}
-    assert report["rollouts_consumed"] >= 4 * 2  # 4 groups a step, 2 a batch
-    assert report["sync"]["full_bytes"] > 100 * report["sync"]["patch_bytes_median"] > 0
+    assert report["rollouts_consumed"] >= VERSIONS * 4  # 8 groups a step, 2 a batch
+    # Patches while the weights move: ~0.2 MB against a 1.7 MB state (docs/benchmarks.md).
+    assert report["sync"]["full_bytes"] > 3 * report["sync"]["patch_bytes_median"] > 0
     assert 0 <= report["trainer_wait_fraction"] <= 1
-    assert len(report["series"]["version"]) == 4
+    assert len(report["series"]["version"]) == VERSIONS
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 5
     assert (out / "final-model" / "config.json").is_file()
