@@ -224,3 +224,39 @@ def test_hashes_name_their_algorithm_and_both_round_trip():
     assert [k for k in a if a[k] != b[k]] == ["t2"]
     for bad in ("", "blake3:xyz", "md5:" + "0" * 64, "blake3:" + "A" * 64, None):
         assert not is_hash(bad)
+
+
+def _int8_and_bf16_states(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    old = {"lin.weight": torch.randn(96, 80, generator=gen) * 0.02, "norm": torch.ones(80)}
+    new = {
+        "lin.weight": old["lin.weight"] + 3e-4 * torch.randn(96, 80, generator=gen),
+        "norm": old["norm"] + 2e-2,
+    }
+    return old, new
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_apply_in_place_writes_into_the_base(monkeypatch, precision):
+    # Many chunks, so that chunk passes run on the pool while others are rebuilt.
+    monkeypatch.setattr(codec_mod, "CHUNK_ELEMS", 512)
+    old, new = _int8_and_bf16_states()
+    base = prepare(old, precision)
+    patch = encode(old, new, precision=precision)[0]
+    expect = apply(base, patch)
+    ids = {k: v.data_ptr() for k, v in base.items()}
+    out = apply(base, patch, in_place=True)
+    assert bits_equal(out, expect) and bits_equal(base, expect)
+    assert {k: v.data_ptr() for k, v in out.items()} == ids  # no second copy
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_failed_in_place_apply_puts_the_base_back(precision):
+    old, new = _int8_and_bf16_states()
+    base = prepare(old, precision)
+    snapshot = {k: v.clone() for k, v in base.items()}
+    # Decodes in full, then fails its result hash: every written bit goes back.
+    liar = encode(old, new, precision=precision, result_hash=state_hash(base))[0]
+    with pytest.raises(PatchError, match="rebuilt state hashes"):
+        apply(base, liar, in_place=True)
+    assert bits_equal(base, snapshot)

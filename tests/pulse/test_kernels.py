@@ -115,3 +115,32 @@ def test_range_coder_never_writes_past_its_buffer():
     assert rangecoder._ENC_V(values, classes, small) == -1  # reports instead of overrunning
     data = rangecoder.encode_values(values, classes)
     assert np.array_equal(rangecoder.decode_values(data, classes), values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 2000),
+    density=st.floats(0, 1),
+    width=st.sampled_from([1, 2, 4, 8]),
+    key=st.sampled_from([kernels.KEY_UNSIGNED, kernels.KEY_FLOAT, kernels.KEY_SIGNED]),
+    seed=st.integers(0, 2**31),
+)
+def test_fused_residuals_match_numpy(n, density, width, key, seed):
+    # The element pass gathers each change's XOR and key delta as it sorts
+    # them; the numpy transforms of the same changes must agree bit for bit.
+    rng = np.random.default_rng(seed)
+    ut = np.dtype(f"u{width}").type
+    bits = rng.integers(0, 2 ** (8 * width), n, dtype=np.uint64).astype(ut)
+    flip = rng.integers(1, 2 ** (8 * width), n, dtype=np.uint64).astype(ut)
+    new = np.where(rng.random(n) < density, bits ^ flip, bits)
+    shift = max(0, 8 * width - 9)
+    lut = rng.integers(0, 16, 1 << (8 * width - shift)).astype(np.uint8)
+    src = kernels.ClassSource(kernels.MODE_LUT, lut, shift, np.zeros(1, np.uint8))
+    cls = lut[bits >> ut(shift)]
+    a = kernels.class_ranks(bits, new, src, lambda: cls, backend="numba", key=key)
+    b = kernels.class_ranks(bits, new, src, lambda: cls, backend="numpy", key=key)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype or x.dtype.kind == y.dtype.kind == "i"
+        assert np.array_equal(x, y)
+    xor, delta = kernels.residual_transforms(bits[a[0]], new[a[0]], key)
+    assert np.array_equal(a[4], xor) and np.array_equal(a[5], delta)

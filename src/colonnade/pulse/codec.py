@@ -13,6 +13,7 @@ docs/pulse-format.md for the byte layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -101,14 +102,23 @@ def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
 
 
 def _rice_pass(ob, nb, cmap, res: residuals.ResidualParts):
-    """Code the positions chunk by chunk, gathering the residuals in the same order."""
+    """Code the positions chunk by chunk, gathering the residuals in the same order.
+
+    The element passes of a large tensor's chunks run on every core
+    (`parallel.ordered`); coding follows in chunk order on this thread.
+    """
     rice = positions.RiceEncoder(cmap)
     changed = 0
-    for ci, start, stop in positions.chunk_bounds(ob.size, CHUNK_ELEMS):
-        local = rice.add(ci, start, nb[start:stop])
+    bounds = list(positions.chunk_bounds(ob.size, CHUNK_ELEMS))
+    key = residuals.key_kind(res.dtype)
+    passes = parallel.ordered(
+        functools.partial(rice.changes, start, nb[start:stop], key) for _, start, stop in bounds
+    )
+    for (ci, _start, _stop), found in zip(bounds, passes, strict=True):
+        local = rice.code(ci, found)
         if local.size:
             changed += local.size
-            res.add(ob[start:stop][local], nb[start:stop][local])
+            res.extend(*found[4:])
     return rice, changed
 
 

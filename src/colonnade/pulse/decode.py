@@ -3,9 +3,11 @@
 Every check that can fail does so before a result exists: the base must hash
 to the patch's base_hash, every block must decode to exactly its declared
 size, and the rebuilt state must hash to result_hash (each with the
-algorithm the hash names). Unchanged tensors are
-shared with the base (never written), changed ones are fresh copies, so a
-failed apply leaves the caller's base untouched.
+algorithm the hash names). Unchanged tensors are shared with the base (never
+written); changed ones are fresh copies, so a failed apply leaves the
+caller's base untouched, or (in_place) rebuilt inside the base's tensors with
+an undo log of the old bits of what changed (about 1% of the state), which
+a failed apply plays back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .context import class_map
 from .errors import PatchError
 from .format import POSITION_BLOCKS, unpack
 from .hashing import algo_of, state_hash
+from .quant import SCALE_SUFFIX
 from .tensors import dtype_name, from_bits, itemsize, to_bits
 
 
@@ -46,7 +49,12 @@ def _decode_full(entry: dict, blocks: list[memoryview]) -> torch.Tensor:
     return from_bits(bits.copy(), entry["dtype"], shape)
 
 
-def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int) -> torch.Tensor:
+def _decode_patch(
+    entry: dict, blocks: list[memoryview], base: State, ctx_state: State, chunk: int, undo
+) -> torch.Tensor:
+    """The patched tensor; written into the base's own memory where `undo` is a
+    list (and the base tensor a plain CPU one), the old bits of every changed
+    element logged there first."""
     name = entry["name"]
     old = base.get(name)
     if old is None:
@@ -62,7 +70,7 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
     changed = entry["changed"]
     n_pos = POSITION_BLOCKS[entry["pos"]]
     if entry["pos"] == "rice":
-        cmap = class_map(name, entry["ctx"], base, ob, entry["e0"])
+        cmap = class_map(name, entry["ctx"], ctx_state, ob, entry["e0"])
         groups = positions.read_groups(blocks[0], ob.size, chunk)
         classes = positions.residual_classes(groups)
         if classes.size != changed:
@@ -73,25 +81,43 @@ def _decode_patch(entry: dict, blocks: list[memoryview], base: State, chunk: int
         chunks = positions.mask_chunks(blocks[0], ob.size)
     values = residuals.decode_values(entry, blocks[n_pos:], classes, changed, ob.dtype.type)
     del classes
-    return from_bits(_scatter(entry, ob, chunks, values), entry["dtype"], tuple(old.shape))
+    if undo is not None and _own_memory(old, ob):
+        _scatter(entry, ob, chunks, values, undo)
+        return old
+    nb = ob.copy()
+    _scatter(entry, nb, chunks, values, None)
+    return from_bits(nb, entry["dtype"], tuple(old.shape))
 
 
-def _scatter(entry: dict, ob: np.ndarray, chunks, values: np.ndarray) -> np.ndarray:
-    """A copy of the base bits with each chunk's changes rebuilt in place.
+def _own_memory(t: torch.Tensor, bits: np.ndarray) -> bool:
+    """Whether `bits` is the tensor's own memory (not a copy to_bits made)."""
+    return bits.flags.writeable and bits.size > 0 and bits.ctypes.data == t.data_ptr()
+
+
+def _scatter(entry: dict, nb: np.ndarray, chunks, values: np.ndarray, undo) -> None:
+    """Each chunk's changes rebuilt in place in `nb` (the old bits logged to `undo`).
 
     Chunk by chunk, so that no index array spans the whole tensor.
     """
-    nb = ob.copy()
     done = 0
     for start, local in chunks:
         if done + local.size > values.size:
             raise ValueError(f"positions hold more changes than the header's {values.size}")
         seg = nb[start:]
-        seg[local] = residuals.rebuild(entry, seg[local], values[done : done + local.size])
+        before = seg[local]
+        if undo is not None:
+            undo.append((nb, start, local, before))
+        seg[local] = residuals.rebuild(entry, before, values[done : done + local.size])
         done += local.size
     if done != values.size:
         raise ValueError(f"decoded {done} changed elements, header says {values.size}")
-    return nb
+
+
+def _undo(logs) -> None:
+    """Put back the old bits of every element an in-place apply changed."""
+    for log in logs:
+        for nb, start, local, before in reversed(log):
+            nb[start:][local] = before
 
 
 def _entry_cost(entry: dict, base: State) -> int:
@@ -101,23 +127,33 @@ def _entry_cost(entry: dict, base: State) -> int:
     return sum(entry["blocks"])
 
 
-def _decode_entry(entry, blocks, base, chunk):
+def _decode_entry(entry, blocks, base, ctx_state, chunk, undo):
     try:
         if entry["op"] == "full":
             return _decode_full(entry, blocks)
-        return _decode_patch(entry, blocks, base, chunk)
+        return _decode_patch(entry, blocks, base, ctx_state, chunk, undo)
     except (ValueError, IndexError) as e:
         raise PatchError(f"corrupt patch: tensor {entry['name']!r}: {e}") from None
 
 
 def apply(
-    base: State, patch: bytes | memoryview, *, base_hash: str | None = None
+    base: State,
+    patch: bytes | memoryview,
+    *,
+    base_hash: str | None = None,
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The state the patch describes, checked against its hash.
 
     base_hash: the hash of `base` if the caller already verified it (a
     worker knows the hash of the state it is running); otherwise it is
     computed. Raises PatchError for any patch that does not fit this base.
+
+    in_place: rebuild the changed elements inside the base's own tensors
+    (plain CPU tensors; others are copied as usual), so that no second copy
+    of the state exists; the result shares them. For a receiver whose engine
+    can take new bits under it. If anything fails, every element written is
+    put back before PatchError is raised: the base is then as it was.
     """
     c = unpack(patch)
     h = c.header
@@ -131,23 +167,48 @@ def apply(
     if not dropped <= set(base):
         raise PatchError("corrupt patch: drops a tensor the base does not have")
     blocks = _split(c.payload, entries)
+    # Contexts read the base's row scales, which an in-place apply may be
+    # rewriting on another thread: those (one number a row) are read from a copy.
+    ctx_state = _context_state(base, entries) if in_place else base
+    logs: list[list] | None = [[] for _ in entries] if in_place else None
     # A patched tensor's working memory follows its size; a full one's its bytes.
     costs = [_entry_cost(e, base) for e in entries]
-    decoded = parallel.budgeted_map(
-        lambda eb: _decode_entry(*eb, base, h["chunk_elems"]),
-        list(zip(entries, blocks, strict=True)),
-        costs,
-        parallel.tensor_budget([_nbytes(t) for t in base.values()]),
-    )
-    result = {k: v for k, v in base.items() if k not in dropped}
-    result.update({e["name"]: t for e, t in zip(entries, decoded, strict=True)})
-    got = state_hash(result, algo_of(h["result_hash"]))
-    if got != h["result_hash"]:
-        raise PatchError(
-            f"corrupt patch: rebuilt state hashes to {got[:19]}…, "
-            f"patch promises {h['result_hash'][:19]}…"
+    try:
+        decoded = parallel.budgeted_map(
+            lambda i: _decode_entry(
+                entries[i],
+                blocks[i],
+                base,
+                ctx_state,
+                h["chunk_elems"],
+                None if logs is None else logs[i],
+            ),
+            list(range(len(entries))),
+            costs,
+            parallel.tensor_budget([_nbytes(t) for t in base.values()]),
         )
+        result = {k: v for k, v in base.items() if k not in dropped}
+        result.update({e["name"]: t for e, t in zip(entries, decoded, strict=True)})
+        got = state_hash(result, algo_of(h["result_hash"]))
+        if got != h["result_hash"]:
+            raise PatchError(
+                f"corrupt patch: rebuilt state hashes to {got[:19]}…, "
+                f"patch promises {h['result_hash'][:19]}…"
+            )
+    except BaseException:
+        if logs:
+            _undo(logs)
+        raise
     return result
+
+
+def _context_state(base: State, entries: list[dict]) -> dict[str, torch.Tensor]:
+    out = dict(base)
+    for e in entries:
+        scale = e["name"] + SCALE_SUFFIX
+        if e.get("ctx") == "rowscale" and scale in base:
+            out[scale] = base[scale].clone()
+    return out
 
 
 def read_header(patch: bytes | memoryview) -> Mapping[str, object]:

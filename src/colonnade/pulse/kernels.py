@@ -22,8 +22,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import bitcodes
+
 N_CLASSES = 16
 MODE_LUT, MODE_ARRAY = 0, 1
+# Order-preserving keys of the "delta" residual (bitcodes.ordered_key).
+KEY_UNSIGNED, KEY_FLOAT, KEY_SIGNED = 0, 1, 2
 
 
 class ClassSource(NamedTuple):
@@ -56,57 +60,112 @@ def _build_numba():
     # Each kernel runs its element loop once per class mode, written out in
     # full: numba's inlined helpers taking arrays paid reference counting on
     # every call, which made the loops ten times slower.
+    # Every element's class is counted in one of four histograms in turn
+    # (h[i & 3]): consecutive elements mostly share a class, and one
+    # histogram makes each increment wait on the store of the one before;
+    # four let four run at once. A class's count so far is the sum of its
+    # four lanes, read only where it is needed (a change, a wanted rank).
     @numba.njit(cache=True, nogil=True)
-    def class_ranks(new, bits, mode, lut, shift, arr):  # pragma: no cover - compiled
-        # Changes and classes are computed twice rather than stored: chunk-sized
-        # mask and class arrays are memory the encoder holds for nothing.
+    def class_ranks(new, bits, mode, lut, shift, arr, key, width):  # pragma: no cover
+        # One pass over old and new: each change is noted with its class and
+        # rank as it goes by, then a counting sort of the (few) changes puts
+        # them class-major. The note arrays are sized for every element but
+        # touched only as far as changes fill them (untouched pages cost no
+        # memory). int32: chunk-local, a chunk is far below 2^31 elements.
         n = bits.size
+        h = np.zeros((4, N_CLASSES), np.int64)
+        idx = np.empty(n, np.int32)
+        rk = np.empty(n, np.int32)
+        cl = np.empty(n, np.uint8)
+        m = 0
+        if mode == MODE_LUT:
+            for i in range(n):
+                b = bits[i]
+                c = lut[b >> shift]
+                if new[i] != b:
+                    idx[m] = i
+                    rk[m] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+                    cl[m] = c
+                    m += 1
+                h[i & 3, c] += 1
+        else:
+            for i in range(n):
+                c = arr[i]
+                if new[i] != bits[i]:
+                    idx[m] = i
+                    rk[m] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+                    cl[m] = c
+                    m += 1
+                h[i & 3, c] += 1
+        counts = h[0] + h[1] + h[2] + h[3]
         per_class = np.zeros(N_CLASSES, np.int64)
-        for i in range(n):
-            if new[i] != bits[i]:
-                per_class[lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]] += 1
+        for j in range(m):
+            per_class[cl[j]] += 1
         fill = np.zeros(N_CLASSES, np.int64)
         for c in range(1, N_CLASSES):
             fill[c] = fill[c - 1] + per_class[c - 1]
-        m = fill[N_CLASSES - 1] + per_class[N_CLASSES - 1]
-        # int32: chunk-local (a chunk is far below 2^31 elements), half the memory.
+        # With the sort, each change's two residual transforms (residuals.py),
+        # computed in int64 on keys of `width` ≤ 32 bits (width 0: not here).
         order = np.empty(m, np.int32)
         ranks = np.empty(m, np.int32)
-        counts = np.zeros(N_CLASSES, np.int64)
-        for i in range(n):
-            c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
-            if new[i] != bits[i]:
-                order[fill[c]] = i
-                ranks[fill[c]] = counts[c]
-                fill[c] += 1
-            counts[c] += 1
-        return order, ranks, counts, per_class
+        xor = np.empty_like(bits[: m if width else 0])
+        delta = np.empty_like(bits[: m if width else 0])
+        mask = (1 << width) - 1
+        top = 1 << (width - 1) if width else 0
+        for j in range(m):
+            c = cl[j]
+            p = fill[c]
+            i = idx[j]
+            order[p] = i
+            ranks[p] = rk[j]
+            fill[c] += 1
+            if width:
+                o = np.int64(bits[i])
+                nw = np.int64(new[i])
+                xor[p] = o ^ nw
+                if key == KEY_FLOAT:
+                    o = (~o) & mask if o & top else o | top
+                    nw = (~nw) & mask if nw & top else nw | top
+                elif key == KEY_SIGNED:
+                    o ^= top
+                    nw ^= top
+                d = (nw - o) & mask
+                delta[p] = (~(d << 1)) & mask if d & top else (d << 1) & mask
+        return order, ranks, counts, per_class, xor, delta
 
     @numba.njit(cache=True, nogil=True)
     def class_counts(n, bits, mode, lut, shift, arr):  # pragma: no cover - compiled
-        counts = np.zeros(N_CLASSES, np.int64)
+        h = np.zeros((4, N_CLASSES), np.int64)
         if mode == MODE_LUT:
             for i in range(n):
-                counts[lut[bits[i] >> shift]] += 1
+                h[i & 3, lut[bits[i] >> shift]] += 1
         else:
             for i in range(n):
-                counts[arr[i]] += 1
-        return counts
+                h[i & 3, arr[i]] += 1
+        return h[0] + h[1] + h[2] + h[3]
 
     @numba.njit(cache=True, nogil=True)
     def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
         # want: every class's sorted ranks back to back, class c's from
         # want_start[c] to want_start[c+1]; returns their element indices.
+        # Each class's next wanted rank waits in nxt (-1: none left), so the
+        # per-element test reads no want array.
         ptr = want_start[:N_CLASSES].copy()
-        seen = np.zeros(N_CLASSES, np.int64)
+        nxt = np.full(N_CLASSES, -1, np.int64)
+        for c in range(N_CLASSES):
+            if ptr[c] < want_start[c + 1]:
+                nxt[c] = want[ptr[c]]
+        h = np.zeros((4, N_CLASSES), np.int64)
         out = np.empty(want.size, np.int32)
         for i in range(n):
             c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
-            p = ptr[c]
-            if p < want_start[c + 1] and want[p] == seen[c]:
+            if nxt[c] == h[0, c] + h[1, c] + h[2, c] + h[3, c]:
+                p = ptr[c]
                 out[p] = i
-                ptr[c] = p + 1
-            seen[c] += 1
+                p += 1
+                ptr[c] = p
+                nxt[c] = want[p] if p < want_start[c + 1] else -1
+            h[i & 3, c] += 1
         ok = True
         for c in range(N_CLASSES):
             ok = ok and ptr[c] == want_start[c + 1]
@@ -116,9 +175,7 @@ def _build_numba():
     def max_field(bits, shift, mask):  # pragma: no cover - compiled
         top = 0
         for i in range(bits.size):
-            e = (bits[i] >> shift) & mask
-            if e > top:
-                top = e
+            top = max(top, (bits[i] >> shift) & mask)
         return top
 
     return class_ranks, class_counts, scatter, max_field
@@ -143,17 +200,41 @@ def _args(bits: np.ndarray, src: ClassSource) -> tuple:
 
 
 def class_ranks(
-    bits: np.ndarray, new: np.ndarray, src: ClassSource, classes_fn, backend: str | None = None
+    bits: np.ndarray,
+    new: np.ndarray,
+    src: ClassSource,
+    classes_fn,
+    backend: str | None = None,
+    key: int | None = None,
 ):
-    """(order, ranks, class sizes, changed per class) of one chunk's changes.
+    """(order, ranks, class sizes, changed per class) of one chunk's changes,
+    and with `key` (KEY_*) their residuals: (…, xor, delta), in order.
 
     bits: the chunk's base bits; new: its new bits (an element changed where
     they differ); classes_fn(): the chunk's classes as an array, asked for
-    only by the numpy path.
+    only by the numpy path. The compiled pass reads each element once and
+    gathers the residuals of the changes as it sorts them; elements wider
+    than 32 bits, and the numpy path, take theirs from residual_transforms.
     """
+    width = bits.dtype.itemsize * 8 if key is not None and bits.dtype.itemsize <= 4 else 0
     if _use_numba(backend):
-        return _NUMBA[0](new, *_args(bits, src))
-    return _numpy_class_ranks(bits != new, classes_fn())
+        found = _NUMBA[0](new, *_args(bits, src), key or 0, width)
+    else:
+        found = (*_numpy_class_ranks(bits != new, classes_fn()), None, None)
+    if key is None:
+        return found[:4]
+    if not width or not _use_numba(backend):
+        order = found[0]
+        found = (*found[:4], *residual_transforms(bits[order], new[order], key))
+    return found
+
+
+def residual_transforms(old: np.ndarray, new: np.ndarray, key: int):
+    """(new XOR old, zigzag(key(new) − key(old))) of changed elements, in numpy."""
+    is_float, is_signed = key == KEY_FLOAT, key == KEY_SIGNED
+    k_new = bitcodes.ordered_key(new, is_float, is_signed)
+    k_old = bitcodes.ordered_key(old, is_float, is_signed)
+    return old ^ new, bitcodes.zigzag(k_new - k_old)
 
 
 def class_counts(
@@ -190,7 +271,9 @@ def scatter_ranks(
 def max_field(bits: np.ndarray, shift: int, mask: int) -> int:
     """Largest (bits >> shift) & mask over the array."""
     if _NUMBA is not None:
-        return int(_NUMBA[3](bits, bits.dtype.type(shift), bits.dtype.type(mask)))
+        # Python ints (int64 in the kernel), not the bits' own type: with
+        # them LLVM vectorizes the loop (~20x faster).
+        return int(_NUMBA[3](bits, int(shift), int(mask)))
     ut = bits.dtype.type
     step = 1 << 22
     return max(

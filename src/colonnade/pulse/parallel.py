@@ -6,14 +6,18 @@ and running the two largest tensors of a model at once (a 32k-vocabulary
 embedding and its output head are over half of a small model) would hold
 both working sets at the same time. `budgeted_map` starts an item only while
 the items in flight stay within a cost budget, taking the costliest items
-that fit first; an item over the budget runs alone.
+that fit first; an item over the budget runs alone. `ordered` spreads the
+chunks of one large tensor over the cores.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -85,3 +89,49 @@ def budgeted_map(
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(workers(), thread_name_prefix="pulse-chunk")
+        return _POOL
+
+
+def submit(fn: Callable[..., R], *args) -> Future[R]:
+    """fn(*args) on the shared pool (it must not wait on other pool work)."""
+    return _pool().submit(fn, *args)
+
+
+def ordered(thunks: Iterable[Callable[[], R]], ahead: int | None = None) -> Iterator[R]:
+    """thunk() for each thunk, in order, up to `ahead` of them running at once.
+
+    The chunks of one large tensor on every core: the iterable is advanced
+    (and whatever it does in order, such as reading a bit stream, done) on
+    the caller's thread, the thunks (compiled kernels, which free the GIL)
+    run on a shared pool. Thunks never wait on one another, so the pool
+    cannot deadlock however many tensors use it at once; `ahead` bounds
+    the results held. A single thunk runs on the caller's thread.
+    """
+    ahead = ahead or workers()
+    it = iter(thunks)
+    first = next(it, None)
+    if first is None:
+        return
+    second = next(it, None)
+    if second is None:
+        yield first()
+        return
+    pending: deque[Future[R]] = deque()
+    pool = _pool()
+    for thunk in itertools.chain((first, second), it):
+        pending.append(pool.submit(thunk))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()

@@ -17,12 +17,14 @@ for "rice", ascending for "mask".
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import zstandard
 
 from colonnade import untrusted
 
-from . import bitcodes, kernels
+from . import bitcodes, kernels, parallel
 from .context import N_CLASSES, ClassMap
 
 # Slices a bitmask is unpacked in (a multiple of 8: whole bytes).
@@ -79,13 +81,22 @@ class RiceEncoder:
         Returns the chunk-local indices of its changes in residual order
         (empty if nothing changed, and then nothing is coded).
         """
+        return self.code(ci, self.changes(start, new))
+
+    def changes(self, start: int, new: np.ndarray, key: int | None = None) -> tuple:
+        """The element pass over one chunk (any thread): kernels.class_ranks."""
         stop = start + new.size
-        order, ranks_all, counts, per_class = kernels.class_ranks(
+        return kernels.class_ranks(
             self.cmap.bits[start:stop],
             new,
             self.cmap.source(start, stop),
             lambda: self.cmap.classes(start, stop),
+            key=key,
         )
+
+    def code(self, ci: int, found: tuple) -> np.ndarray:
+        """Code chunk ci's `changes` (chunks in order); its changes in residual order."""
+        order, ranks_all, counts, per_class = found[:4]
         order_cls = np.repeat(np.arange(N_CLASSES, dtype=np.uint8), per_class)
         for c, size, ranks in _chunk_groups(order_cls, ranks_all, counts):
             invert = 2 * ranks.size > size
@@ -157,11 +168,25 @@ def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: Clas
     """Per chunk with changes: (start, chunk-local changed indices in residual order).
 
     One chunk at a time, so a decoder never holds index arrays over the whole
-    tensor. ValueError on any inconsistency (raised once all chunks are read
-    for unused stream bytes).
+    tensor. The streams are read in chunk order on this thread; the element
+    passes that turn ranks into indices run on every core
+    (`parallel.ordered`). ValueError on any inconsistency (raised once all
+    chunks are read for unused stream bytes).
     """
     reader = _RiceReader(blocks)
-    for ci in np.unique(groups["chunk"]):
+    yield from parallel.ordered(_chunk_passes(groups, reader, n, cmap, chunk))
+    reader.check_used()
+
+
+def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMap, chunk: int):
+    """Per chunk with changes, in order: its ranks read, and a thunk that finds their indices."""
+    chunk_ids = np.unique(groups["chunk"])
+    inverted = np.unique(groups["chunk"][groups["invert"] != 0])
+    # Class sizes only where a group codes the ranks that did not change
+    # (otherwise the scatter's own check, every rank found, bounds them),
+    # counted on the pool ahead of the stream reads that need them.
+    sizes = {int(ci): _class_counts_later(cmap, ci, n, chunk) for ci in inverted}
+    for ci in chunk_ids:
         start = int(ci) * chunk
         stop = min(n, start + chunk)
         # The numpy path computes the chunk's classes once, on first request.
@@ -173,20 +198,39 @@ def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: Clas
             return cache[0]
 
         bits, src = cmap.bits[start:stop], cmap.source(start, stop)
-        counts = kernels.class_counts(stop - start, bits, src, classes_fn)
+        rows = groups[groups["chunk"] == ci]
+        counts = sizes.pop(int(ci)).result() if int(ci) in sizes else None
         classes, parts = [], []
-        for g in groups[groups["chunk"] == ci]:
-            c, size, m = int(g["cls"]), int(counts[g["cls"]]), int(g["count"])
-            if m == 0 or m > size:
+        for g in rows:
+            c, m = int(g["cls"]), int(g["count"])
+            size = int(counts[c]) if counts is not None else None
+            if m == 0 or m > (size if size is not None else stop - start):
                 raise ValueError("group count out of range")
             coded_n = size - m if g["invert"] else m
             ranks = bitcodes.sorted_from_gaps(reader.read(coded_n, int(g["k"])))
-            if ranks.size and ranks[-1] >= size:
+            if size is not None and ranks.size and ranks[-1] >= size:
                 raise ValueError("rank beyond its class")
             classes.append(c)
             parts.append(_complement(ranks, size) if g["invert"] else ranks)
-        yield start, kernels.scatter_ranks(stop - start, bits, src, classes_fn, classes, parts)
-    reader.check_used()
+        yield functools.partial(
+            _located, start, stop - start, bits, src, classes_fn, classes, parts
+        )
+
+
+def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int):
+    start = int(ci) * chunk
+    stop = min(n, start + chunk)
+    return parallel.submit(
+        kernels.class_counts,
+        stop - start,
+        cmap.bits[start:stop],
+        cmap.source(start, stop),
+        lambda: cmap.classes(start, stop),
+    )
+
+
+def _located(start, n, bits, src, classes_fn, classes, parts):
+    return start, kernels.scatter_ranks(n, bits, src, classes_fn, classes, parts)
 
 
 def mask_block(packed: list[np.ndarray], level: int) -> bytes:

@@ -20,11 +20,18 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from . import bitcodes, rangecoder
+from . import bitcodes, kernels, rangecoder
 from .positions import decompress
 from .tensors import FLOAT_DTYPES, SIGNED_INT_DTYPES
 
 ZSTD_LEVEL = 3
+
+
+def key_kind(dtype: str) -> int:
+    """The kernels' KEY_* of a dtype's order-preserving key."""
+    if dtype in FLOAT_DTYPES:
+        return kernels.KEY_FLOAT
+    return kernels.KEY_SIGNED if dtype in SIGNED_INT_DTYPES else kernels.KEY_UNSIGNED
 
 
 def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -62,11 +69,13 @@ class ResidualParts:
         self.size = 0
 
     def add(self, old: np.ndarray, new: np.ndarray) -> None:
-        end = self.size + old.size
-        np.bitwise_xor(old, new, out=self._xor[self.size : end])
-        self._delta[self.size : end] = bitcodes.zigzag(
-            _key(new, self.dtype) - _key(old, self.dtype)
-        )
+        self.extend(*kernels.residual_transforms(old, new, key_kind(self.dtype)))
+
+    def extend(self, xor: np.ndarray, delta: np.ndarray) -> None:
+        """Append transforms already computed (by the element pass)."""
+        end = self.size + xor.size
+        self._xor[self.size : end] = xor
+        self._delta[self.size : end] = delta
         self.size = end
 
     def encode(self, classes: np.ndarray) -> tuple[str, str, list[bytes]]:
