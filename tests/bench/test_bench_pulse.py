@@ -43,6 +43,7 @@ def test_quick_run_writes_complete_results(tmp_path, capsys):
     for key in (
         "encode_gbps",
         "apply_gbps",
+        "apply_inplace_gbps",
         "encode_hash_share",
         "apply_hash_share",
         "read_gbps",
