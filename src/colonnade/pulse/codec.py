@@ -21,22 +21,23 @@ import numpy as np
 import torch
 import zstandard
 
-from . import parallel, positions, residuals
+from . import parallel, positions, residuals, torch_pass
 from .context import choose_context, class_map
 from .format import POSITION_BLOCKS, pack
 from .hashing import DEFAULT as DEFAULT_HASH
 from .hashing import state_hash
 from .quant import quantize_state
-from .tensors import (
-    dtype_name,
-    to_bits,
-)
+from .tensors import dtype_name, to_bits, uint_type
 
 State = Mapping[str, torch.Tensor]
 CHUNK_ELEMS = 1 << 22
 ZSTD_LEVEL = 3
 # Above this density a plain bitmask is tried against the Rice code.
 MASK_TRY_DENSITY = 0.2
+# Where the element pass runs: None picks torch (torch_pass) for tensors on
+# CUDA and the compiled kernels otherwise; "torch" or "numba" forces one
+# (the tests hold the two to the same bytes on CPU).
+ELEMENT_PASS: str | None = None
 
 
 @dataclass
@@ -163,6 +164,33 @@ def _encode_changes(name, ctx, old_state, ob, nb, dtype):
     return code, cmap.e0, blocks, res.encode(classes), changed
 
 
+def _encode_on_device(name, ctx, old_state, old, new, dtype):
+    """_encode_changes with the element pass where the tensors are (torch_pass):
+    only the changes cross to the CPU. A tensor dense enough to be worth a
+    bitmask is coded on the CPU instead (rare: never for an optimizer step)."""
+    key = residuals.key_kind(dtype)
+    e0, passes = torch_pass.changes(name, ctx, old_state, old, new, CHUNK_ELEMS, key)
+    changed = sum(found[0].size for found in passes)
+    if changed == 0:
+        return None
+    if changed > MASK_TRY_DENSITY * old.numel():
+        return _encode_changes(name, ctx, old_state, to_bits(old), to_bits(new), dtype)
+    rice = positions.RiceEncoder(None)
+    res = residuals.ResidualParts(dtype, uint_type(old.element_size()), old.numel())
+    for ci, found in enumerate(passes):
+        if rice.code(ci, found).size:
+            res.extend(*found[4:])
+    classes = positions.residual_classes(rice.groups)
+    return "rice", e0, rice.blocks(ZSTD_LEVEL), res.encode(classes), changed
+
+
+def _on_device(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether the element pass runs in torch (ELEMENT_PASS, else: both on CUDA)."""
+    if ELEMENT_PASS is not None:
+        return ELEMENT_PASS == "torch"
+    return old.device.type == "cuda" and new.device == old.device
+
+
 def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
     """(entry, blocks, changed elements) for one tensor of the new state, or None."""
     old = old_state.get(name)
@@ -171,7 +199,10 @@ def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
         return entry, blocks, new.numel()
     dtype = dtype_name(new)
     ctx = choose_context(name, old, old_state)
-    found = _encode_changes(name, ctx, old_state, to_bits(old), to_bits(new), dtype)
+    if _on_device(old, new):
+        found = _encode_on_device(name, ctx, old_state, old, new, dtype)
+    else:
+        found = _encode_changes(name, ctx, old_state, to_bits(old), to_bits(new), dtype)
     if found is None:
         return None
     code, e0, pos_blocks, (res, layout, res_blocks), changed = found
