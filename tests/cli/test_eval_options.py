@@ -3,6 +3,8 @@ and progress lines when stderr is not a terminal."""
 
 import json
 
+import pytest
+
 from colonnade.cli.main import main
 
 EVAL = ["eval", "--model", "tiny", "--env", "smoke", "-n", "4", "--precision", "fp32"]
@@ -40,6 +42,7 @@ def test_bad_counts_fail_in_one_line(capsys):
     assert "-k" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # builds the tiny model in a fresh cache: ~40 s on 2 cores
 def test_a_runs_config_gives_env_and_limits(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path))
     run_toml = tmp_path / "run.toml"

@@ -10,6 +10,9 @@ import pytest
 
 from colonnade.cli.main import main
 
+# A warm start built from scratch and two evals of 60 tasks: 1.5-2 min on 2 cores.
+pytestmark = pytest.mark.slow
+
 N = 60
 
 

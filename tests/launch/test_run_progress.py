@@ -3,6 +3,7 @@ progress lines (step, total, loss or pass@1, elapsed, ETA) instead of staying si
 
 import io
 
+import pytest
 from rich.console import Console
 
 from colonnade.launch import evaluation
@@ -17,6 +18,7 @@ def _console() -> tuple[Console, io.StringIO]:
     return Console(file=out, force_terminal=False, width=200), out
 
 
+@pytest.mark.slow  # builds the tiny model and a 30-step warm start in a fresh cache: ~30 s
 def test_warm_start_and_eval_print_progress_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("COLONNADE_PROGRESS_SECONDS", "0.05")
