@@ -1,8 +1,8 @@
-"""Running an environment's tasks through the engine, and reading episodes back.
+"""Running an environment's tasks through the engine.
 
 `run_episodes` joins the two halves: the environment's prompts and replies,
-the engine's tokens. `model_turns` rebuilds the turn texts from token ids
-alone, which is what a trainer scores (it never trusts a worker's text).
+the engine's tokens. The prompt, the stop strings and the turn texts follow
+the episode contract in `protocol/turns.py`, which the trainer replays.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from colonnade.envs import Environment, Score, Task
+from colonnade.protocol.turns import SamplingParams, chat_prompt, episode_stops
 
 from .engine import Engine, Episode
-from .sampling import SamplingParams
-from .stops import StopMatcher
 
 
 @dataclass
@@ -22,12 +21,6 @@ class Result:
     task: Task
     episode: Episode
     score: Score
-
-
-def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat messages with the assistant turn opened."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _responder(env: Environment, task: Task):
@@ -38,14 +31,6 @@ def _responder(env: Environment, task: Task):
         return env.respond(task, list(turns))
 
     return respond
-
-
-def episode_stops(stop: Sequence[str], env: Environment) -> tuple[str, ...]:
-    """The sampling stop strings joined with the environment's, in order, once each.
-
-    Workers sample with these and the trainer cuts turns with them: both must agree.
-    """
-    return tuple(dict.fromkeys((*stop, *env.stop)))
 
 
 def run_episodes(
@@ -67,18 +52,3 @@ def run_episodes(
     responders = [_responder(env, t) for t in tasks]
     episodes = engine.generate(prompts, responders, params, seed, max_rows, share_prefix)
     return [Result(t, ep, env.score(t, ep.turns)) for t, ep in zip(tasks, episodes, strict=True)]
-
-
-def model_turns(tokenizer, tokens: Sequence[int], from_model: Sequence[bool], stop) -> list[str]:
-    """The model's turns as the engine showed them to the environment."""
-    turns, current = [], []
-    for tok, mine in zip(tokens, from_model, strict=True):
-        if mine:
-            current.append(tok)
-        elif current:
-            turns.append(current)
-            current = []
-    if current:
-        turns.append(current)
-    cut = StopMatcher(tokenizer, stop).cut
-    return [cut(tokenizer.decode(t, skip_special_tokens=True)) for t in turns]
