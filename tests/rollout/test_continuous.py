@@ -1,5 +1,7 @@
 """Shared-prefix groups and continuous batching: same episodes, fuller batches."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def test_greedy_episodes_are_the_same_on_every_path(tiny):
         for a, b in zip(runs["today"], runs[label], strict=True):
             assert a.tokens == b.tokens and a.from_model == b.from_model, label
             assert a.turns == b.turns and a.finish == b.finish
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
 def test_shared_and_refilled_logprobs_equal_teacher_forcing(tiny, tiny_int8):
@@ -103,9 +105,7 @@ def test_a_group_is_prefilled_once_and_the_batch_refills(tiny):
     params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
     engine = Engine(model, tok)
     seen = _Counting(engine)
-    eps = engine.generate(
-        prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=8
-    )
+    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=8)
     assert len(eps) == 16 and all(ep.tokens for ep in eps)
     # Prefills run one row per distinct prompt: never 4 copies of a prompt.
     # Decode steps never exceed max_rows, and a waiting group joined a batch
@@ -115,7 +115,7 @@ def test_a_group_is_prefilled_once_and_the_batch_refills(tiny):
     assert sum(n == 1 for n in seen.steps) >= 2  # later groups prefilled alone
     # The first session runs to the end: its batch grew while it ran.
     main = seen.by_session[0][1:]  # after its prefill
-    assert any(b > a for a, b in zip(main, main[1:]))
+    assert any(b > a for a, b in itertools.pairwise(main))
     assert all(len(s) == 1 for s in seen.by_session[1:])  # joiners: one prefill each
     today = Engine(model, tok)
     base = _Counting(today)
