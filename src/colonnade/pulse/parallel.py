@@ -108,6 +108,13 @@ def submit(fn: Callable[..., R], *args) -> Future[R]:
     return _pool().submit(fn, *args)
 
 
+def done(fn: Callable[..., R], *args) -> Future[R]:
+    """fn(*args) on this thread, as a finished Future (where `submit` is not worth it)."""
+    f: Future[R] = Future()
+    f.set_result(fn(*args))
+    return f
+
+
 def ordered(thunks: Iterable[Callable[[], R]], ahead: int | None = None) -> Iterator[R]:
     """thunk() for each thunk, in order, up to `ahead` of them running at once.
 

@@ -185,7 +185,9 @@ def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMa
     # Class sizes only where a group codes the ranks that did not change
     # (otherwise the scatter's own check, every rank found, bounds them),
     # counted on the pool ahead of the stream reads that need them.
-    sizes = {int(ci): _class_counts_later(cmap, ci, n, chunk) for ci in inverted}
+    # (A tensor of one chunk counts on this thread: no hand-off to wait on.)
+    pool = len(chunk_ids) > 1
+    sizes = {int(ci): _class_counts_later(cmap, ci, n, chunk, pool) for ci in inverted}
     for ci in chunk_ids:
         start = int(ci) * chunk
         stop = min(n, start + chunk)
@@ -217,10 +219,10 @@ def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMa
         )
 
 
-def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int):
+def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int, pool: bool):
     start = int(ci) * chunk
     stop = min(n, start + chunk)
-    return parallel.submit(
+    return (parallel.submit if pool else parallel.done)(
         kernels.class_counts,
         stop - start,
         cmap.bits[start:stop],
