@@ -3,7 +3,8 @@
 Public API:
     encode(old, new, precision=...) -> (patch bytes, PatchStats)
     diff(old, new, precision=...)   -> patch bytes
-    apply(base, patch)              -> new state (checked by its state hash)
+    apply(base, patch)              -> new state (checked by its state hash;
+                                       in_place=True rebuilds inside the base)
     prepare(state, precision)       -> the state a receiver holds at a precision
     quantize_state / dequantize_state / quantize_rows: the int8 quantizer
     state_hash(state, algo)         -> "blake3:<hex>" (or "sha256:…"): a per-tensor tree hash
