@@ -126,7 +126,9 @@ def test_ctrl_c_or_sigterm_stops_every_child_and_still_reports(tmp_path, sig):
 @pytest.mark.timeout(400)
 def test_max_minutes_stops_training_and_still_exports_and_evaluates(tmp_path):
     out = tmp_path / "run"
-    cfg = _config(tmp_path, 200)
+    # Far more versions than 1.5 minutes make on any machine (the smoke run
+    # once did 200 inside the budget): the budget is what stops it.
+    cfg = _config(tmp_path, 100_000)
     cmd = _cli("run", "--preset", "smoke", "--config", str(cfg), "--out", str(out), "--no-live")
     env = {**_env(tmp_path), "COLONNADE_PROGRESS_SECONDS": "1"}
     p = subprocess.run(
@@ -136,7 +138,7 @@ def test_max_minutes_stops_training_and_still_exports_and_evaluates(tmp_path):
     assert "max_minutes spent" in p.stderr and "status: budget (max_minutes 1.5 spent)" in p.stdout
     assert "warm start: " in p.stderr and "eval before: " in p.stderr  # progress lines
     report = json.loads((out / "report.json").read_text())
-    assert report["status"] == "budget" and 1 <= report["versions_published"] < 200
+    assert report["status"] == "budget" and 1 <= report["versions_published"] < 100_000
     assert report["eval"]["after"]["version"] == report["versions_published"]
     assert (out / "final-model" / "config.json").is_file()
     _no_child_left_and_a_checkpoint_at_the_end(out, report)
