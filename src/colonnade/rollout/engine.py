@@ -247,9 +247,10 @@ class Engine:
 
         With `share_prefix`, the rows of one prompt (a group) are prefilled
         once and the cache copied to each. With `max_rows`, at most that many
-        episodes run at once and, as episodes end, waiting groups join the
-        running batch (continuous batching) instead of the batch shrinking to
-        its slowest row. Both need prompts of 2 tokens or more (the last token
+        episodes run at once and, as episodes end, waiting rows take the free
+        places in the running batch, in order, a group's rows admitted together
+        sharing one prefill (continuous batching), instead of the batch
+        shrinking to its slowest row. Both need prompts of 2 tokens or more (the last token
         is fed with the running batch); otherwise all rows run at once.
         """
         if len(prompts) != len(responders):
@@ -269,15 +270,18 @@ class Engine:
         live: list[_Row] = []
         session: Session | None = None
         while waiting or live:
-            # Admit whole units while they fit (at least one when none runs),
-            # prefilled together.
+            # Fill the free rows from the waiting units, in order (a unit
+            # may start in part: its rows still share one prefill), all
+            # admitted rows prefilled together.
             admit: list[_Row] = []
-            while waiting and (
-                not max_rows
-                or not (live or admit)
-                or len(live) + len(admit) + len(waiting[0]) <= max_rows
-            ):
-                admit.extend(rows[i] for i in waiting.popleft())
+            while waiting and (not max_rows or len(live) + len(admit) < max_rows):
+                unit = waiting[0]
+                take = len(unit) if not max_rows else max_rows - len(live) - len(admit)
+                admit.extend(rows[i] for i in unit[:take])
+                if take >= len(unit):
+                    waiting.popleft()
+                else:
+                    waiting[0] = unit[take:]
             if admit:
                 part = self._prefilled(admit) if share else self._session(len(admit))
                 if session is None:
