@@ -178,3 +178,29 @@ def test_a_checkpoint_goes_to_s3_in_parts_and_comes_back(tiny, tmp_path, seaweed
     Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases).load(1)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_out_of_range_settings_fail_when_the_config_is_built():
+    # max_lag=-1 was accepted here and failed later in a worker.
+    from colonnade.train.trainer import TrainerConfig
+
+    TrainerConfig().check()
+    for bad in (
+        {"max_lag": -1},
+        {"group_size": 1},
+        {"lr": 0.0},
+        {"max_grad_norm": 0.0},
+        {"max_turn_tokens": 600},  # more than the episode's 512
+    ):
+        with pytest.raises(ValueError, match="out of range: .*" + next(iter(bad))):
+            TrainerConfig(**bad).check()
+
+
+def test_max_grad_norm_and_scale_by_std_reach_the_step(tiny_dir, tmp_path):
+    # Settings the step had but no config could set before.
+    from colonnade.train.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
+                        max_grad_norm=0.25, scale_by_std=True)  # fmt: skip
+    step = Trainer(cfg).step_cfg
+    assert step.max_grad_norm == 0.25 and step.scale_by_std

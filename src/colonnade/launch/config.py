@@ -173,6 +173,7 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
         endpoint_url=cfg.endpoint_url,
         metrics_port=cfg.metrics_port,
     )
+    trainer.check()  # a bad range fails here, before any process starts
     worker = load_config(
         WorkerConfig, base=dict(cfg.worker), store=store, endpoint_url=cfg.endpoint_url
     )

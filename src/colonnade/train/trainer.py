@@ -106,6 +106,8 @@ class TrainerConfig:
     delta_low: float = 0.15
     delta_high: float = 0.15
     ratio_clip: float = 2.0
+    max_grad_norm: float = 1.0  # clip of the gradient's global norm
+    scale_by_std: bool = False  # advantages divided by the group's reward std
     micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
     logit_chunk_tokens: int = 4096  # row-positions whose fp32 logits exist at once
     checkpoint_every: int = 5
@@ -144,6 +146,38 @@ class TrainerConfig:
             raise ValueError("micro_tokens, logit_chunk_tokens and checkpoint_every must be >= 1")
         if self.multipart_mb < 5:
             raise ValueError("multipart_mb must be >= 5 (S3's smallest part)")
+        bad = [name for name, ok in _ranges(self) if not ok]
+        if bad:
+            raise ValueError(f"out of range: {'; '.join(bad)}")
+
+
+def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
+    """(setting and its allowed range, whether it holds): checked when the
+    config is built, so a bad value fails at once and not later in a worker."""
+    return [
+        ("max_versions >= 1", c.max_versions >= 1),
+        ("max_lag >= 0", c.max_lag >= 0),
+        ("anchor_every >= 1", c.anchor_every >= 1),
+        ("group_size >= 2", c.group_size >= 2),
+        ("groups_per_step >= 1", c.groups_per_step >= 1),
+        ("groups_per_batch >= 1", c.groups_per_batch >= 1),
+        ("lr > 0", c.lr > 0),
+        ("warmup_versions >= 0", c.warmup_versions >= 0),
+        ("weight_decay >= 0", c.weight_decay >= 0),
+        ("temperature > 0", c.temperature > 0),
+        ("max_turn_tokens >= 1", c.max_turn_tokens >= 1),
+        ("max_episode_tokens >= max_turn_tokens", c.max_episode_tokens >= c.max_turn_tokens),
+        ("delta_low > 0", c.delta_low > 0),
+        ("delta_high > 0", c.delta_high > 0),
+        ("ratio_clip >= 1", c.ratio_clip >= 1),
+        ("max_grad_norm > 0", c.max_grad_norm > 0),
+        ("keep_checkpoints >= 1", c.keep_checkpoints >= 1),
+        ("poll_seconds > 0", c.poll_seconds > 0),
+        ("heartbeat_timeout > 0", c.heartbeat_timeout > 0),
+        ("store_outage_seconds >= 0", c.store_outage_seconds >= 0),
+        ("quarantine_factor >= 0", c.quarantine_factor >= 0),
+        ("quarantine_min_tokens >= 0", c.quarantine_min_tokens >= 0),
+    ]
 
 
 def warmup_lr(lr: float, version: int, warmup: int) -> float:
@@ -229,7 +263,9 @@ class Trainer:
         )  # fmt: skip
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
+            scale_by_std=cfg.scale_by_std,
             micro_tokens=cfg.micro_tokens,
+            max_grad_norm=cfg.max_grad_norm,
             gate=GateConfig(cfg.delta_low, cfg.delta_high, cfg.ratio_clip),
         )
         self.version: int | None = None  # of the weights the policy holds
