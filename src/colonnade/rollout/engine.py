@@ -175,12 +175,19 @@ class _TorchSession:
 
     def keep(self, rows: list[int]) -> None:
         self.cache.batch_select_indices(self.layout.keep(rows))
-        drop = self.layout.trim()
+        # A sliding-window layer keeps its own last columns, not the
+        # layout's: its cache is never cut or padded by column here.
+        drop = self.layout.trim() if self._full_attention() else 0
         if drop:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
 
+    def _full_attention(self) -> bool:
+        return not any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+
     def extend(self, other: _TorchSession) -> None:
+        if not (self._full_attention() and other._full_attention()):
+            raise ValueError("continuous batching (max_rows) needs full-attention layers")
         pad_a, pad_b = self.layout.extend(other.layout)
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             mine.keys = torch.cat([_left_pad(mine.keys, pad_a), _left_pad(theirs.keys, pad_b)])
