@@ -10,6 +10,7 @@ short warm start.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,11 @@ def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
     assert report["sync"]["full_bytes"] > 3 * report["sync"]["patch_bytes_median"] > 0
     assert 0 <= report["trainer_wait_fraction"] <= 1
     assert len(report["series"]["version"]) == VERSIONS
+    # What smoke declares (format_ok, "format ok") is what the rows and lines show.
+    assert set(report["series"]["env_metrics"]) == {"format_ok"}
+    assert len(report["series"]["env_metrics"]["format_ok"]) == VERSIONS
+    lines = p.stdout + p.stderr
+    assert re.search(r"format ok \d\.\d{3} masked", lines) and "search" not in lines
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 5
     assert (out / "final-model" / "config.json").is_file()

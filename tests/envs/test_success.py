@@ -2,7 +2,7 @@
 
 import logging
 
-from colonnade.envs import Score, Task, load_environment, success_of
+from colonnade.envs import Score, Task, load_environment, metrics_of, success_of
 from colonnade.rollout.episodes import Result
 from colonnade.rollout.evaluate import figures_line, summarize
 
@@ -62,8 +62,12 @@ def test_no_declaration_means_reward_of_one_and_a_single_warning(caplog):
 
 def test_search_metric_keeps_its_report_name_and_the_line_names_the_rule():
     rule = success_of(load_environment("smoke", n_tasks=10))
-    out = summarize(_results(Score(1.0, {"correct": 1.0, "searched": 1.0})), rule)
+    declared = metrics_of(load_environment("searchqa", n_clusters=20))
+    out = summarize(_results(Score(1.0, {"correct": 1.0, "searched": 1.0})), rule, 1, declared)
     assert out["search_rate"] == 1.0 and "searched" not in out
+    # The rename is searchqa's declaration, not eval's: undeclared, a name stays.
+    plain = summarize(_results(Score(1.0, {"correct": 1.0, "searched": 1.0})), rule)
+    assert plain["searched"] == 1.0 and "search_rate" not in plain
     line = figures_line({**out, "temperature": 1.0, "version": 3})
     assert line.startswith("pass@1 1.000 (correct >= 1, declared), reward 1.000")
     assert line.endswith("n=1") and "temperature" not in line

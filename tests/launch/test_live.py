@@ -4,6 +4,7 @@ import time
 
 from rich.console import Console
 
+from colonnade.envs import Metric, load_environment, metrics_of
 from colonnade.launch.live import log_line, render, snapshot
 from colonnade.protocol import keys
 from colonnade.store import LocalStore
@@ -35,3 +36,31 @@ def test_empty_store_renders(tmp_path):
     snap = snapshot(LocalStore(tmp_path / "empty"), 5)
     assert snap.version == 0 and snap.eta_s is None
     Console(record=True).print(render(snap, "starting"))
+
+
+def _rows(store, env_metrics):
+    t = Telemetry(store, "trainer", "main", 0)
+    t.row(version=1, reward_mean=0.5, pass_rate=0.25, env_metrics=env_metrics)
+    t.flush()
+
+
+def test_the_view_shows_what_the_environment_declares(tmp_path):
+    store = LocalStore(tmp_path)
+    _rows(store, {"hops": 0.75, "undeclared": 0.5})
+    declared = (Metric("hops", "tool hops"),)
+    snap = snapshot(store, 10, declared)
+    console = Console(record=True, width=100)
+    console.print(render(snap, "training"))
+    text = console.export_text()
+    assert "tool hops (train)" in text and "0.750" in text and "undeclared" not in text
+    assert "pass 0.250 tool hops 0.750 masked" in log_line(snap)
+
+
+def test_no_search_label_for_smoke(tmp_path):
+    store = LocalStore(tmp_path)
+    _rows(store, {"format_ok": 1.0})
+    snap = snapshot(store, 10, metrics_of(load_environment("smoke")))
+    console = Console(record=True, width=100)
+    console.print(render(snap, "training"))
+    text = console.export_text() + log_line(snap)
+    assert "format ok" in text and "search" not in text

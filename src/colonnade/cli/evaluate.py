@@ -131,7 +131,7 @@ def run_eval(
     a task at temperature 0), and with `show` the first `show` sampled episodes."""
     from dataclasses import replace
 
-    from colonnade.envs import load_environment, success_of
+    from colonnade.envs import load_environment, metrics_of, success_of
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
     from colonnade.rollout import load_engine
@@ -163,7 +163,7 @@ def run_eval(
                 ),
                 samples,
             )
-            figures = summarize(results, success_of(env), samples)
+            figures = summarize(results, success_of(env), samples, metrics_of(env))
             if name == "sampled":
                 out.update(figures)
                 if show:

@@ -13,10 +13,12 @@ from .base import (
     SPLITS,
     Demonstrating,
     Environment,
+    Metric,
     Practising,
     Score,
     Success,
     Task,
+    metrics_of,
     success_of,
 )
 from .registry import BUILTINS, PREFIXES, load_environment
@@ -27,6 +29,7 @@ __all__ = [
     "SPLITS",
     "Demonstrating",
     "Environment",
+    "Metric",
     "Practising",
     "Score",
     "Success",
@@ -35,6 +38,7 @@ __all__ = [
     "exact_match",
     "last_tag",
     "load_environment",
+    "metrics_of",
     "normalize",
     "parse_env_arg",
     "parse_env_args",

@@ -41,6 +41,16 @@ class Environment(Protocol):
     episode solved its task; `success_threshold` (float, default 1.0): the
     value it must reach. Without `success_metric`, success is
     `reward >= success_threshold`. pass@1 counts successes (`Success`).
+
+    `metrics` (tuple of `Metric` or str): the metrics of `Score.metrics`
+    worth showing beside reward and pass@1, each with a human label (a bare
+    str is its own label). The live view, the run's log lines, Prometheus
+    (`colonnade_env_metric{metric=...}`) and eval show these; read them
+    with `metrics_of`. Without it an environment shows none beyond reward
+    and pass@1 (eval and the report still list every metric returned).
+
+    `warmstart_defaults` (dict): model preset -> warm-start settings (fields
+    of `train.warmstart.WarmstartConfig`) over the model's defaults.
     """
 
     name: str
@@ -90,6 +100,31 @@ class Practising(Protocol):
     def practice(self, seed: int) -> Environment:
         """The same task over other data (no entity, answer or document in common)."""
         ...
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric an environment declares for display (`Environment.metrics`)."""
+
+    name: str  # its key in `Score.metrics`
+    label: str = ""  # for people; "" : the name
+    report: str = ""  # its key in eval figures; "": the name
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+    @property
+    def key(self) -> str:
+        return self.report or self.name
+
+
+def metrics_of(env: Any) -> tuple[Metric, ...]:
+    """The metrics `env` declares for display (none if it declares none)."""
+    declared = getattr(env, "metrics", None) or ()
+    if isinstance(declared, str):
+        declared = (declared,)
+    return tuple(m if isinstance(m, Metric) else Metric(str(m)) for m in declared)
 
 
 @dataclass(frozen=True)

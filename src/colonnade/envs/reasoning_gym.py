@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .answers import last_tag
-from .base import Score, Task, check_split
+from .base import Metric, Score, Task, check_split
 
 SYSTEM = (
     "Answer the question. Give the final answer alone inside <answer></answer>, "
@@ -49,6 +49,7 @@ class ReasoningGym:
     stop = ("</answer>",)
     max_turns = 1
     success_threshold = 1.0  # full credit from score_answer: what pass@1 counts
+    metrics = (Metric("format_ok", "format ok"),)
 
     def __init__(self, dataset: str, data, test_fraction: float, shots: int):
         self.name = f"rg:{dataset}"

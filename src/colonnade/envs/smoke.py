@@ -11,7 +11,7 @@ import random
 from collections.abc import Sequence
 
 from .answers import exact_match, last_tag
-from .base import Score, Task, check_split
+from .base import Metric, Score, Task, check_split
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
 UNSURE = "unsure"
@@ -23,6 +23,7 @@ class Smoke:
     stop = ("</answer>",)
     max_turns = 1
     success_metric = "correct"  # pass@1 counts episodes whose `correct` is 1
+    metrics = (Metric("format_ok", "format ok"),)
 
     def __init__(self, n_tasks: int, seed: int):
         if n_tasks < 2:

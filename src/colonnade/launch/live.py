@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
+from colonnade.envs import Metric
 from colonnade.protocol.documents import WorkerHeartbeat
 from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.presence import alive, worker_heartbeats
@@ -24,6 +25,12 @@ class Snapshot:
     step_seconds: list[float] = field(default_factory=list)
     workers: dict[str, WorkerHeartbeat] = field(default_factory=dict)  # id -> heartbeat
     synced_bytes: int = 0
+    metrics: tuple[Metric, ...] = ()  # what the environment declares (`metrics_of`)
+
+    def declared(self) -> list[tuple[str, float]]:
+        """(label, value) of each declared metric the newest row carries."""
+        got = self.last.env_metrics if self.last is not None else {}
+        return [(m.title, got[m.name]) for m in self.metrics if m.name in got]
 
     @property
     def eta_s(self) -> float | None:
@@ -33,9 +40,10 @@ class Snapshot:
         return (self.max_versions - self.version) * sum(recent) / len(recent)
 
 
-def snapshot(store: ObjectStore, max_versions: int) -> Snapshot:
+def snapshot(store: ObjectStore, max_versions: int, metrics: tuple[Metric, ...] = ()) -> Snapshot:
+    """The store now; `metrics`: the environment's declared metrics, shown beside pass rate."""
     rows = read_trainer_rows(store)
-    snap = Snapshot(max_versions=max_versions)
+    snap = Snapshot(max_versions=max_versions, metrics=tuple(metrics))
     if rows:
         snap.last = rows[-1]
         snap.version = rows[-1].version
@@ -55,6 +63,8 @@ def render(snap: Snapshot, phase: str) -> Table:
     if last is not None:
         t.add_row("reward (train)", f"{last.reward_mean:.3f}")
         t.add_row("pass rate (train)", f"{last.pass_rate:.3f}")
+        for label, value in snap.declared():
+            t.add_row(f"{label} (train)", f"{value:.3f}")
         t.add_row("gate masked", f"{last.masked_fraction:.4f}")
         t.add_row("trainer waiting", f"{100 * last.wait_fraction:.0f}%")
     live = alive(snap.workers, time.time(), ALIVE_SECONDS)
@@ -70,8 +80,9 @@ def render(snap: Snapshot, phase: str) -> Table:
 def log_line(snap: Snapshot) -> str:
     """The same facts on one line, for --no-live and non-terminal output."""
     last = snap.last or TrainerRow(time=0.0, version=0)  # zeros before the first row
+    declared = "".join(f"{label} {value:.3f} " for label, value in snap.declared())
     return (
         f"v{snap.version}/{snap.max_versions} reward {last.reward_mean:.3f} "
-        f"pass {last.pass_rate:.3f} masked {last.masked_fraction:.4f} "
+        f"pass {last.pass_rate:.3f} {declared}masked {last.masked_fraction:.4f} "
         f"workers {len(snap.workers)} synced {snap.synced_bytes / 1e6:.2f} MB"
     )

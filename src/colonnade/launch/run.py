@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from colonnade.envs import Demonstrating, load_environment
+from colonnade.envs import Demonstrating, Metric, load_environment, metrics_of
 from colonnade.model import resolve_model
 from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
@@ -129,6 +129,7 @@ def _watch(
     children: list[Child],
     console: Console,
     stop: EarlyStop,
+    metrics: tuple[Metric, ...] = (),
 ) -> str | None:
     """Until the trainer exits: the EarlyStop reason it was told to stop for, if
     any; raises RunFailed if it fails.
@@ -144,7 +145,7 @@ def _watch(
 
     def tick() -> None:
         nonlocal last_v, last_line
-        snap = snapshot(store, max_versions)
+        snap = snapshot(store, max_versions, metrics)
         for c in children[1:]:
             if not c.alive and c.name not in reported_dead:
                 reported_dead.add(c.name)
@@ -251,7 +252,8 @@ def _supervise(
         with stop.catching():
             children += _launch_children(cfg, model_path, store)
             _write_launch(store, facts, started)
-            told = _watch(cfg, trainer_cfg.max_versions, store, children, console, stop)
+            declared = metrics_of(load_environment(cfg.env, **trainer_cfg.env_kwargs))
+            told = _watch(cfg, trainer_cfg.max_versions, store, children, console, stop, declared)
             if told is None:  # workers stop by themselves once the trainer is done
                 wait_exit(children[1:], 60)
             stop_all(children)

@@ -61,6 +61,8 @@ class TrainerRow:
     grad_norm: float = 0.0  # global gradient norm before clipping
     # worker -> {"tokens": int, "kept": int, "kl_sum": float}: the gate per worker
     gate_by_worker: dict[str, dict[str, float]] = field(default_factory=dict)
+    # each metric the environment declares (`envs.metrics_of`) -> its mean over the step's episodes
+    env_metrics: dict[str, float] = field(default_factory=dict)
     # the collection
     staleness: dict[str, int] = field(default_factory=dict)  # str(version lag) -> groups
     wait_seconds: float = 0.0  # waiting for enough groups
@@ -183,6 +185,7 @@ _CHECKS = {
     "float": _is_num,
     "str": lambda x: isinstance(x, str) and len(x) <= 64,
     "dict[str, int]": lambda x: _table(x, _is_int),
+    "dict[str, float]": lambda x: _table(x, _is_num),
     "dict[str, dict[str, int]]": lambda x: _table(x, lambda v: _table(v, _is_int)),
     "dict[str, dict[str, float]]": lambda x: _table(x, lambda v: _table(v, _is_num)),
 }

@@ -121,9 +121,12 @@ def _quarantined(store: ObjectStore) -> dict[str, dict]:
     return {w: asdict(d) for w, d in found.decisions.items()} if found is not None else {}
 
 
-def _series(rows: list[TrainerRow], t0: float) -> dict[str, list]:
-    out = {f: [getattr(r, f) for r in rows] for f in SERIES}
+def _series(rows: list[TrainerRow], t0: float) -> dict:
+    out: dict = {f: [getattr(r, f) for r in rows] for f in SERIES}
     out["wall_s"] = [round(r.time - t0, 2) for r in rows]
+    # The environment's declared metrics, by name: a value per row (None where absent).
+    names = dict.fromkeys(n for r in rows for n in r.env_metrics)
+    out["env_metrics"] = {n: [r.env_metrics.get(n) for r in rows] for n in names}
     return out
 
 

@@ -23,6 +23,11 @@ def _learning(series: dict, x: str, label: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(series[x], series["reward_mean"], label="reward (train)")
     ax.plot(series[x], series["pass_rate"], label="pass rate (train)")
+    # what the environment declares (the trainer's rows carry those only)
+    for name, values in (series.get("env_metrics") or {}).items():
+        points = [(a, b) for a, b in zip(series[x], values, strict=False) if b is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=f"{name} (train)", linestyle="--")
     ax.set_xlabel(label)
     ax.set_ylim(-0.02, 1.02)
     ax.legend()

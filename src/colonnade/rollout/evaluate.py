@@ -3,8 +3,9 @@
 pass@1 is the share of episodes the environment's success rule counts as
 solved (`colonnade.envs.success_of`: a declared metric or the reward against
 a threshold); the output names the rule under `success`. Every other metric
-the environment returns is reported as its mean, under its own name, except
-`searched`, reported as `search_rate` (the name reports have always used).
+the environment returns is reported as its mean, under its own name, or the
+`report` name the environment declares for it (`colonnade.envs.Metric`:
+searchqa's `searched` is `search_rate`, the name reports have always used).
 
 With k samples per task (`colonnade eval -k`), pass@k is the share of tasks
 with at least one success among their k samples (the unbiased estimator of
@@ -17,17 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from colonnade.envs import Environment, Success, Task, success_of
+from colonnade.envs import Environment, Metric, Success, Task, metrics_of, success_of
 
 from .engine import Engine
 from .episodes import Result, run_episodes
 from .sampling import SamplingParams
 
-RENAMES = {"searched": "search_rate"}  # per-episode metric -> report name
 
-
-def summarize(results: Sequence[Result], success: Success, k: int = 1) -> dict:
-    """pass@1, mean reward, the means of every metric (report names), n, and the rule;
+def summarize(
+    results: Sequence[Result], success: Success, k: int = 1, declared: Sequence[Metric] = ()
+) -> dict:
+    """pass@1, mean reward, the means of every metric (under the report names
+    `declared` gives, `metrics_of(env)`), n, and the rule;
     with k > 1 (results hold k consecutive samples of each task) pass@k and mean@k too.
     `n` counts tasks."""
     out: dict = {}
@@ -40,10 +42,11 @@ def summarize(results: Sequence[Result], success: Success, k: int = 1) -> dict:
             out["pass_at_k"] = _mean([float(any(s)) for s in per_task])
             out["mean_at_k"] = _mean([sum(s) / len(s) for s in per_task])
         out["reward"] = _mean([r.score.reward for r in results])
+    renames = {m.name: m.key for m in declared}
     names = dict.fromkeys(k for r in results for k in r.score.metrics)
     for metric in names:
         values = [r.score.metrics[metric] for r in results if metric in r.score.metrics]
-        out[RENAMES.get(metric, metric)] = _mean(values)
+        out[renames.get(metric, metric)] = _mean(values)
     out["n"] = -(-len(results) // k)
     if k > 1:
         out["k"] = k
@@ -95,7 +98,7 @@ def evaluate(
 ) -> dict:
     """The figures of k episodes of every task (`episodes`, `summarize`)."""
     results = episodes(engine, env, tasks, params, batch_size, seed, progress, k)
-    return summarize(results, success_of(env), k)
+    return summarize(results, success_of(env), k, metrics_of(env))
 
 
 def figures_line(figs: dict) -> str:

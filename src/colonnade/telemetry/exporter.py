@@ -5,11 +5,15 @@ metrics by name (`FIELDS`, every name a field of `protocol.metrics`'s rows,
 checked at import); rates such as rollouts/s and tokens/s are left
 to PromQL (`rate(colonnade_rollouts_total[1m])`), as Prometheus intends.
 Every metric carries `role` and `id` labels so one dashboard covers the
-trainer and every worker.
+trainer and every worker. The metrics the environment declares
+(`colonnade.envs.metrics_of`, e.g. searchqa's `searched`) are one gauge,
+`colonnade_env_metric{metric="searched"}`, fed by the trainer's
+`env_metrics`: each the mean over the last step's episodes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -48,6 +52,8 @@ FIELDS: dict[str, tuple[str, str, str]] = {
 }
 declared(FIELDS)
 (STALENESS_FIELD,) = declared(["staleness"])
+(ENV_FIELD,) = declared(["env_metrics"])
+ENV_METRIC = "colonnade_env_metric"
 STALENESS = "colonnade_rollout_staleness"
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -55,8 +61,10 @@ STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class Exporter:
     """Serves /metrics on `port` (0: pick a free one; see `.port`)."""
 
-    def __init__(self, port: int, ident: str, addr: str = "127.0.0.1"):
+    def __init__(self, port: int, ident: str, addr: str = "127.0.0.1", env_metrics: Sequence = ()):
+        """`env_metrics`: the environment's declared metrics (`Metric`s), exported by name."""
         self.registry = CollectorRegistry()
+        self.env_names = frozenset(m.name for m in env_metrics)
         self.ident = ident
         labels = ("role", "id")
         self.metrics: dict[str, Any] = {}
@@ -78,6 +86,12 @@ class Exporter:
             buckets=(0, 1, 2, 3, 4, 6, 8),
             registry=self.registry,
         )
+        self.env_metric = Gauge(
+            ENV_METRIC,
+            "an environment-declared metric: its mean over the last step's episodes",
+            (*labels, "metric"),
+            registry=self.registry,
+        )
         self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
 
@@ -95,6 +109,9 @@ class Exporter:
                     m.inc(value)
             else:
                 m.observe(value)
+        for name, value in (row.get(ENV_FIELD) or {}).items():
+            if name in self.env_names and isinstance(value, int | float):
+                self.env_metric.labels(role, self.ident, name).set(value)
         for lag, n in (row.get(STALENESS_FIELD) or {}).items():
             for _ in range(int(n)):
                 self.staleness.labels(role, self.ident).observe(int(lag))

@@ -17,6 +17,7 @@ On one device or across ranks, the same path:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -64,6 +65,7 @@ class StepFigures:
     mismatch_kl: float
     grad_norm: float
     gate_by_worker: dict[str, dict[str, float]]  # worker -> tokens, kept, kl_sum
+    env_metrics: dict[str, float]  # the environment's metric -> its mean over the episodes
     gate_by_version: dict[str, dict[str, dict[str, float]]]  # worker -> version -> the same
 
     def row_fields(self) -> dict:
@@ -172,6 +174,7 @@ def train_step(
     packed = None
     if where.leader:
         rewards, skipped, pairs = _scored(groups, cfg)
+        env_means = env_metric_means(s.score.metrics for g in groups for s in g)
         packed = pack(pairs, cfg.micro_tokens, where.world)
     ts = where.broadcast(packed.tensors() if packed else None, Packed.dtypes())
     packed = Packed.from_tensors(ts)
@@ -183,10 +186,32 @@ def train_step(
     policy.eval()
     if not where.leader:
         return None
-    return _metrics(rewards, skipped, [s for s, _ in pairs], sums, rows, grad_norm, packed)
+    samples = [s for s, _ in pairs]
+    return _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed, env_means)
 
 
-def _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed: Packed) -> StepFigures:
+MAX_ENV_METRICS = 32  # a row carries at most this many of the environment's metrics
+
+
+def env_metric_means(episodes) -> dict[str, float]:
+    """The mean of each metric over the episodes that return it (`Score.metrics`
+    of each), for the trainer's row: the first `MAX_ENV_METRICS` names seen."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for metrics in episodes:
+        for name, value in metrics.items():
+            if name not in sums and len(sums) >= MAX_ENV_METRICS:
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+    return {name: round(sums[name] / counts[name], 4) for name in sums}
+
+
+def _metrics(
+    rewards, skipped, samples, sums, rows, grad_norm, packed: Packed, env_means: dict[str, float]
+) -> StepFigures:
     tokens, kept = int(sums[TOKENS]), int(sums[KEPT])
     per_worker: dict[str, dict[str, float]] = {}
     by_version: dict[str, dict[str, dict[str, float]]] = {}  # worker -> version -> stats
@@ -206,6 +231,7 @@ def _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed: Packed) -
         mismatch_kl=float(sums[KL]) / tokens if tokens else 0.0,
         grad_norm=grad_norm,
         gate_by_worker=per_worker,
+        env_metrics=env_means,
         gate_by_version=by_version,  # for quarantine's like-for-like comparison
     )
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from colonnade.background import Background
-from colonnade.envs import load_environment
+from colonnade.envs import load_environment, metrics_of
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
@@ -286,7 +286,9 @@ class Trainer:
         self.quarantine = Ledger(
             QuarantineConfig(factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens)
         )
-        exporter = Exporter(cfg.metrics_port, "main") if cfg.metrics_port is not None else None
+        exporter = None
+        if cfg.metrics_port is not None:
+            exporter = Exporter(cfg.metrics_port, "main", env_metrics=metrics_of(self.env))
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
         self.retention = Retention(
             self.store, cfg.max_lag, cfg.anchor_every, enabled=not cfg.retain_all
@@ -511,10 +513,16 @@ class Trainer:
         blocked = self.background.wait()
         step_seconds = time.monotonic() - t0
         self.collector.version_gap = moving_gap(self.collector.version_gap, step_seconds)
+        step_fields = figures.row_fields()
+        # The row carries the metrics the environment declares for display.
+        means = step_fields["env_metrics"]
+        step_fields["env_metrics"] = {
+            m.name: means[m.name] for m in metrics_of(self.env) if m.name in means
+        }
         row = TrainerRow(
             time=time.time(),
             version=v + 1,
-            **figures.row_fields(),
+            **step_fields,
             staleness={str(k): n for k, n in sorted(got.staleness.items())},
             wait_seconds=round(got.wait_seconds, 3),
             rejected=counts["batches_rejected"] + counts["groups_rejected"] - before,

@@ -12,6 +12,7 @@ second call with the same settings returns it without training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -34,25 +35,9 @@ MODEL_DEFAULTS = {
     "tiny": {"lr": 1e-3, "steps": 800, "batch_size": 8},
     "smollm2-135m": {"lr": 3e-5, "steps": 120, "batch_size": 4},
 }
-# Tuned for one model on one task, over the model's defaults (docs/benchmarks.md).
-# From scratch, `tiny` never copies an unseen name out of searchqa's demos alone:
-# it drills copying first, and learns the skill long before the mixture.
-# With the tokenizer's merge floor a 150-step drill is enough; the mixture runs
-# at under a third of the skill's rate, which keeps more of the copying.
-PAIR_DEFAULTS = {
-    ("tiny", "searchqa"): {
-        "drill_steps": 150,
-        "steps": 1000,
-        "skill_fraction": 0.8,
-        "mix_lr": 3e-4,
-    },
-    # Pretrained, SmolLM2 answers right nearly whenever it searches, so its
-    # search rate is its pass rate. Good-only steps leave it searching; the
-    # mixture needs most of the steps, at twice the rate, to bring that down:
-    # held-out (n=200, T=1) 0.35 good / skill 0.5: pass 0.43, search 0.45;
-    # 0.25 / 0.5: 0.415, 0.425; 0.25 / 0.3 / mix 6e-5: 0.275, 0.275.
-    ("smollm2-135m", "searchqa"): {"good_fraction": 0.25, "skill_fraction": 0.3, "mix_lr": 6e-5},
-}
+# Tuned for one model on one task: the environment declares these
+# (`warmstart_defaults`, model preset -> defaults; searchqa's in its env.py),
+# over the model's defaults; `env_defaults` reads them.
 # Copy exercises are short, so a drill step takes many at a high rate.
 DRILL_BATCH, DRILL_LR = 64, 3e-3
 
@@ -84,7 +69,7 @@ class WarmstartConfig:
         d = {
             **DEFAULTS,
             **MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["smollm2-135m"]),
-            **PAIR_DEFAULTS.get((self.model, self.env), {}),
+            **env_defaults(self.model, self.env, self.env_kwargs),
         }
         given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         out = dataclasses.replace(self, **{**d, **given})
@@ -99,6 +84,23 @@ class WarmstartConfig:
     def key(self, base_path: str) -> str:
         facts = {**dataclasses.asdict(self.resolved()), "base": Path(base_path).name}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def env_defaults(model: str, env: str, env_kwargs: dict | None = None) -> dict:
+    """The warm-start defaults `env` declares for `model` (its optional
+    `warmstart_defaults`: model preset -> {WarmstartConfig field: value}); {} if none."""
+    declared = _declared(env, json.dumps(env_kwargs or {}, sort_keys=True))
+    out = dict(declared.get(model, {}))
+    known = {f.name for f in dataclasses.fields(WarmstartConfig)} - {"model", "env", "env_kwargs"}
+    if bad := sorted(set(out) - known):
+        raise ValueError(f"environment {env}: warmstart_defaults name no warm-start field: {bad}")
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _declared(env: str, kwargs_json: str) -> dict:
+    loaded = load_environment(env, **json.loads(kwargs_json))
+    return dict(getattr(loaded, "warmstart_defaults", None) or {})
 
 
 def default_dir(cfg: WarmstartConfig, base_path: str) -> Path:

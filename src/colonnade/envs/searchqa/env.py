@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Sequence
+from typing import ClassVar
 
 from ..answers import exact_match, last_tag, normalize
-from ..base import Score, Task, check_split
+from ..base import Metric, Score, Task, check_split
 from .corpus import build_corpus
 from .search import BM25Index
 
@@ -30,6 +31,26 @@ class SearchQA:
     name = "searchqa"
     stop = ("</search>", "</answer>")
     success_metric = "correct"  # pass@1 counts episodes whose `correct` is 1
+    # Shown beside reward and pass@1; `searched` keeps its eval name, search_rate.
+    metrics = (
+        Metric("searched", "search rate", report="search_rate"),
+        Metric("search_success", "search success"),
+    )
+    # Warm-start defaults per model preset, over the model's (train/warmstart.py;
+    # docs/benchmarks.md). From scratch, `tiny` never copies an unseen name out
+    # of the demos alone: it drills copying first, and learns the skill long
+    # before the mixture. With the tokenizer's merge floor a 150-step drill is
+    # enough; the mixture runs at under a third of the skill's rate, which keeps
+    # more of the copying.
+    # Pretrained, SmolLM2 answers right nearly whenever it searches, so its
+    # search rate is its pass rate. Good-only steps leave it searching; the
+    # mixture needs most of the steps, at twice the rate, to bring that down:
+    # held-out (n=200, T=1) 0.35 good / skill 0.5: pass 0.43, search 0.45;
+    # 0.25 / 0.5: 0.415, 0.425; 0.25 / 0.3 / mix 6e-5: 0.275, 0.275.
+    warmstart_defaults: ClassVar[dict[str, dict[str, float]]] = {
+        "tiny": {"drill_steps": 150, "steps": 1000, "skill_fraction": 0.8, "mix_lr": 3e-4},
+        "smollm2-135m": {"good_fraction": 0.25, "skill_fraction": 0.3, "mix_lr": 6e-5},
+    }
 
     def __init__(
         self,
