@@ -136,7 +136,7 @@ def test_a_wrong_kernel_is_never_chosen_however_fast(monkeypatch):
     def wrong(x, packed):
         return (x @ packed[0].t()) * 1.05
 
-    bad = Kernel("fast_but_wrong", 0, lambda o, i: True, lambda c: (c.to(torch.bfloat16),), wrong)
+    bad = Kernel("fast_but_wrong", lambda o, i: True, lambda c: (c.to(torch.bfloat16),), wrong)
     monkeypatch.setitem(KERNELS, bad.name, bad)
     times = kernels.measure(32, 64, 4)
     assert bad.name not in times

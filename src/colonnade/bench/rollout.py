@@ -136,7 +136,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Int8Linear):
-            total += m.codes.numel() * m.codes.element_size() + m.scale.numel() * 4
+            total += m.codes.nbytes + m.scale.nbytes
         elif isinstance(m, torch.nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
     return total
@@ -204,7 +204,8 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
 
 def measure_groups(engine, group_size: int, n_tasks: int, max_rows: int, repeats: int) -> dict:
     """Episodes/s on searchqa (multi-turn, real tool replies) at `group_size`,
-    today's path against prefix sharing + refill, same tasks, same seed.
+    today's path against prefix sharing + refill, same tasks (sampling seeds
+    per `generate` call, so not the same draws).
 
     Today's path is a worker's: a batch of whole groups (`max_rows` rows)
     per `generate`, every row prefilling its prompt, the batch shrinking to

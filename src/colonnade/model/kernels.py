@@ -66,11 +66,10 @@ class Kernel:
     `pack` turns the int8 codes [out, in] into the tensors `run` reads (made
     once per weight, remade when a patch rewrites the codes); `run` takes
     bf16 activations [rows, in] and returns the sums [rows, out], float32 or
-    bf16; `extra_bytes` is what `pack` keeps per weight beside the codes.
+    bf16.
     """
 
     name: str
-    extra_bytes: int
     fits: Callable[[int, int], bool]
     pack: Callable[[torch.Tensor], Packed]
     run: Callable[[torch.Tensor, Packed], torch.Tensor]
@@ -127,10 +126,10 @@ def _float_run(x: torch.Tensor, packed: Packed) -> torch.Tensor:
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("int8pack", 0, _int8pack_fits, _int8pack_pack, _int8pack_run),
-        Kernel("bf16_gemm", 2, lambda o, i: True, _bf16_pack, _bf16_run),
-        Kernel("onednn_bf16", 2, _onednn_fits, _onednn_pack, _onednn_run),
-        Kernel("float", 0, lambda o, i: True, _float_pack, _float_run),
+        Kernel("int8pack", _int8pack_fits, _int8pack_pack, _int8pack_run),
+        Kernel("bf16_gemm", lambda o, i: True, _bf16_pack, _bf16_run),
+        Kernel("onednn_bf16", _onednn_fits, _onednn_pack, _onednn_run),
+        Kernel("float", lambda o, i: True, _float_pack, _float_run),
     )
 }
 FALLBACK = "float"
@@ -241,7 +240,7 @@ class Planner:
         if self.forced is not None and self.forced not in KERNELS:
             raise ValueError(f"{FORCE_ENV}={self.forced}: not one of {', '.join(KERNELS)}")
         self._lock = threading.Lock()
-        self._load()
+        self.choices = self._read()
 
     @staticmethod
     def _slot(out_f: int, in_f: int, b: int) -> str:
@@ -288,9 +287,6 @@ class Planner:
         except (OSError, ValueError, AttributeError) as e:
             log.warning("kernel cache %s unreadable (%s): measuring again", self.path, e)
             return {}
-
-    def _load(self) -> None:
-        self.choices = self._read()
 
     def _save(self) -> None:
         if self.path is None:
