@@ -115,7 +115,7 @@ class WorkerRow:
 
     time: float  # when the row was made, seconds since the epoch
     version: int  # the version that made the batch
-    version_skew: int = 0  # the newest version the worker had seen, minus `version`
+    version_skew: int = 0  # the newest version when the batch landed, minus `version`
     episodes: int = 0  # episodes in the batch
     tokens: int = 0  # model tokens in the batch
     seconds: float = 0.0  # to generate and upload the batch

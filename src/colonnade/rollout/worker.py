@@ -378,6 +378,10 @@ class Worker:
         key = self.upload(batch)
         self.batches += 1
         seconds = time.perf_counter() - t0
+        # The skew a batch landed with: the pointer as it is now, not as it was
+        # when generation began (one small GET per batch; a background fetch
+        # may or may not have read it meanwhile).
+        self._poll()
         log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
         if time.monotonic() - self._beat >= HEARTBEAT_SECONDS or self.batches == 1:
             self.heartbeat()
