@@ -3,8 +3,8 @@
 import pytest
 
 from colonnade.cli.main import main
-from colonnade.model.mlx_llama import MlxUnavailable
 from colonnade.rollout import loader
+from colonnade.rollout.mlx_engine import MlxUnavailable
 
 MISSING = "the MLX engine needs the mlx package (No module named 'mlx')"
 

@@ -11,15 +11,13 @@ from rollout.test_engine import _prompts, _replies
 @pytest.fixture(scope="module")
 def engines(mlx_ready, tiny_dir):
     """(MLX int8 engine, torch int8 engine) over the same published codes."""
-    from colonnade.model.mlx_llama import MlxLlama
     from colonnade.rollout.mlx_engine import MlxEngine
 
     model, tok = load_model(tiny_dir)
     aliases = tied_aliases(model)
     state = int8_state(model)
-    mm = MlxLlama(model, aliases, "int8")
-    mm.load(state)
-    return MlxEngine(mm, tok, version=3), Engine(load_int8(model, state, aliases), tok, 3)
+    mlx = MlxEngine.from_state(model, tok, state, "int8", version=3)
+    return mlx, Engine(load_int8(model, state, aliases), tok, 3)
 
 
 def test_multi_turn_logprobs_equal_a_teacher_forced_mlx_pass(engines):

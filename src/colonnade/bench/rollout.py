@@ -328,7 +328,7 @@ def machine_text(m: dict) -> str:
 
 
 def _mlx_or_say() -> bool:
-    from colonnade.model.mlx_llama import mlx_missing
+    from colonnade.rollout.mlx_engine import mlx_missing
 
     reason = mlx_missing()
     if reason:

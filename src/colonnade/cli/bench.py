@@ -27,6 +27,14 @@ BENCHES = {
         "publish seconds and the time a step waited for it; 2 ranks' loss and gradient norm "
         "against 1 rank's.",
     ),
+    "engines": (
+        "each engine on each architecture: runs or not, log-prob gap to torch int8, tok/s",
+        "One tiny random-init model per architecture (llama, qwen2, qwen3, gemma3_text, phi3, "
+        "qwen3_moe; built from a transformers config, nothing downloaded), its published int8 "
+        "codes run by the torch int8 engine and the MLX engine (mlx-lm): per (architecture, "
+        "engine) whether it ran, generated tokens/s, and the max and mean gap between the "
+        "log-probs it recorded and the torch int8 engine's teacher-forced ones.",
+    ),
     "batches": (
         "rollout batches: protocol 3's binary form against protocol 2's JSON",
         "One realistic batch (8 groups x 8 episodes x 512 tokens, vocab 49152 by default) "

@@ -220,7 +220,7 @@ def _run_settings(args: argparse.Namespace):
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from colonnade.model.mlx_llama import MlxUnavailable
+    from colonnade.rollout.mlx_engine import MlxUnavailable
 
     from .main import CliError
 

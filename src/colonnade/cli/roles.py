@@ -197,7 +197,7 @@ def _trainer(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import load_config
-    from colonnade.model.mlx_llama import MlxUnavailable
+    from colonnade.rollout.mlx_engine import MlxUnavailable
     from colonnade.protocol import ProtocolMismatch
     from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig
 

@@ -29,9 +29,9 @@ from colonnade.model import (
     publishable_state,
     tied_aliases,
 )
-from colonnade.model.mlx_llama import MlxUnavailable, mlx_missing
 
 from .engine import Engine
+from .mlx_engine import ARCHITECTURES, MlxUnavailable, UnsupportedArchitecture, mlx_missing
 
 PRECISIONS = ("int8", "fp32", "bf16")
 ENGINES = ("auto", "torch", "mlx")
@@ -43,14 +43,47 @@ def apple_silicon() -> bool:
     return sys.platform == "darwin" and platform.machine() == "arm64"
 
 
-def resolve_engine(name: str) -> str:
+def engines_supporting(model_type: str) -> list[str]:
+    """The engines that run `model_type` models (torch: what transformers builds)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kinds = ["torch"] if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []
+    return kinds + (["mlx"] if model_type in ARCHITECTURES else [])
+
+
+def check_architecture(kind: str, model_type: str) -> None:
+    """UnsupportedArchitecture, in one line, when engine `kind` cannot run `model_type`."""
+    others = engines_supporting(model_type)
+    if kind in others:
+        return
+    which = f"engines that do: {', '.join(others)}" if others else "no engine of colonnade does"
+    raise UnsupportedArchitecture(
+        f"the {kind} engine does not run {model_type!r} models; {which} "
+        f"(mlx runs {', '.join(ARCHITECTURES)})"
+    )
+
+
+def resolve_engine(name: str, model_type: str | None = None) -> str:
     """`torch` or `mlx` for an --engine choice; MlxUnavailable if `mlx` cannot run.
 
-    `auto` is MLX on Apple silicon when it is installed, torch elsewhere.
+    `auto` is MLX on Apple silicon when it is installed and runs `model_type`
+    (when given), torch elsewhere. With `model_type`, an engine that does not
+    run it is UnsupportedArchitecture: call this with the run's config before
+    any weights are fetched.
     """
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    kind = _resolve(name, model_type)
+    if model_type is not None:
+        check_architecture(kind, model_type)
+    return kind
+
+
+def _resolve(name: str, model_type: str | None) -> str:
     if name == "torch" or (name == "auto" and not apple_silicon()):
+        return "torch"
+    if name == "auto" and model_type is not None and model_type not in ARCHITECTURES:
+        log.warning("the MLX engine does not run %r models: using the torch engine", model_type)
         return "torch"
     reason = mlx_missing()
     if reason is None:
@@ -95,7 +128,7 @@ def engine_for(
 def refresh(engine: Engine, state, aliases, precision: str, changed, version: int) -> None:
     """A newer state into `engine` in place: the `changed` keys only (None: all)."""
     if engine.name == "mlx":
-        engine.model.load(state)  # the tensors that changed since its last load
+        engine.model.load(state)  # the tensors that changed since its last load, in place
     else:
         _load(engine.model, state, aliases, precision, engine.device, changed)
     engine.version = version
@@ -115,7 +148,10 @@ def load_engine(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    kind = resolve_engine(engine)
+    from transformers import AutoConfig
+
+    # The architecture is checked from config.json, before any weights load.
+    kind = resolve_engine(engine, AutoConfig.from_pretrained(path).model_type)
     dev = torch.device("cpu") if kind == "mlx" else pick_device(device)
     model, tok = load_model(path, dtype=torch.float32)
     if precision == "fp32" and kind == "torch":

@@ -1,50 +1,422 @@
-"""The MLX rollout engine: the episode loop of `Engine` over an MLX forward pass.
+"""The MLX rollout engine: colonnade's episode loop over mlx-lm's models.
 
-Sampling, stop strings, turns and the recorded behaviour log-probs are the
-torch engine's own code (`Engine.generate`, `sampling.sample` on the logits
-MLX returns), so both engines write the same episode records; only the
-forward pass and its KV cache (`_MlxSession`) are MLX.
+What this module owns: building an mlx-lm model (`mlx_lm.models.<arch>.Model`)
+from the run's transformers config (`MlxModel`), putting a published state
+into it (int8 codes into `nn.QuantizedLinear`, everything else as floats; a
+PULSE patch rebuilds only the tensors it changed), and the batched KV cache
+the episode loop drives (`_MlxSession`). The loop itself (sampling, stop
+strings, turns, the recorded log-probs) is the torch engine's own
+`Engine.generate`, so both engines write the same records; called by
+`loader.engine_for` (worker, `colonnade eval`) and `colonnade bench engines`.
+
+The int8 layout: MLX stores w = scale · q + bias with q an unsigned byte, one
+(scale, bias) per group of 32/64/128 columns. A published row (codes c,
+scale s) becomes q = c + 128, every group's scale s and bias −128 · s. MLX
+evaluates scale · q and then + bias as two float32 roundings; because the
+quantizer keeps 16 significant bits in s (`pulse.quant.round_scale_up`),
+both are exact and the dequantized weight is c · s bit for bit, the value
+the torch engine multiplies by. A row no group size divides runs as a float
+linear of the same dequantized values.
+
+Mixture-of-experts: a transformers MoE keeps its experts as 3-D tensors
+([E, out, in]); the publisher quantizes 2-D weights only (`pulse.quant`), so
+experts are published in bf16 and both engines run those bf16 values (torch:
+float32 copies, `model.int8`; here mlx-lm's `SwitchLinear` in float32). The
+router is an ordinary 2-D weight and runs int8.
+
+The cache: mlx-lm's own caches hold one sequence, or a batch that is only
+ever left-padded (`BatchKVCache`). Colonnade's rows take chunks of different
+lengths every turn (a tool reply joins one row, not the others), so the pad
+columns sit anywhere in a row. `_LayerCache` keeps `BatchKVCache`'s
+preallocated storage and takes its mask and per-row RoPE offsets from the
+engine-neutral `Layout`; sliding-window layers get the window applied in the
+mask over real-token positions, so no column is ever dropped and rows can be
+cut, copied and joined (shared prefixes, continuous batching) on any model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from colonnade.model.mlx_llama import MlxLlama
+from colonnade.model.int8 import float_value, lookup
+from colonnade.pulse.quant import SCALE_SUFFIX
 
 from .engine import Engine, Layout
+
+# model_type (transformers) -> mlx-lm module, for the architectures whose
+# tensor names, rotary settings and masks are checked against the torch
+# engine (tests/rollout/test_mlx_archs.py). mistral is llama in mlx-lm.
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3_text",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3_moe",
+}
+GROUP_SIZES = (128, 64, 32)
+PRECISIONS = ("int8", "fp32", "bf16")
+
+
+class MlxUnavailable(RuntimeError):
+    """MLX (or mlx-lm) is not installed, or not importable, on this machine."""
+
+
+class UnsupportedArchitecture(ValueError):
+    """An engine does not run this model's architecture."""
+
+
+def mlx_missing() -> str | None:
+    """Why the MLX engine cannot run here, in one line; None when it can."""
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except ImportError as e:
+        return (
+            f"the MLX engine needs the mlx and mlx-lm packages ({e}); install them with "
+            "`pip install 'colonnade[mlx]'` (Apple silicon, or mlx[cpu] on Linux x86_64)"
+        )
+    return None
+
+
+@functools.cache  # once per process: every step goes through it
+def _mlx():
+    reason = mlx_missing()
+    if reason:
+        raise MlxUnavailable(reason)
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    return mx, nn
+
+
+def group_size_for(in_features: int) -> int | None:
+    return next((g for g in GROUP_SIZES if in_features % g == 0), None)
+
+
+def int8_layout(codes: torch.Tensor, scale: torch.Tensor):
+    """(packed uint32 [O, I/4], scales [O, I/g], biases [O, I/g], g) of one int8 weight.
+
+    None when no MLX group size divides the row (the caller runs it dequantized).
+    """
+    if sys.byteorder != "little":  # MLX packs the first byte lowest
+        raise MlxUnavailable("the MLX int8 layout is built for little-endian machines")
+    in_features = codes.shape[1]
+    group = group_size_for(in_features)
+    if group is None:
+        return None
+    q = (codes.numpy().astype(np.int16) + 128).astype(np.uint8)
+    scales = np.repeat(scale.numpy().astype(np.float32)[:, None], in_features // group, axis=1)
+    return np.ascontiguousarray(q).view(np.uint32), scales, -128.0 * scales, group
+
+
+def quantized_linear(layout, bias):
+    """An mlx `nn.QuantizedLinear` (8 bits, affine) holding exactly `layout`."""
+    mx, nn = _mlx()
+    packed, scales, biases, group = layout
+    out_features, in_features = packed.shape[0], packed.shape[1] * 4
+    # The constructor's random weight is lazy and replaced before it is ever
+    # evaluated: building the layer costs nothing.
+    layer = nn.QuantizedLinear(in_features, out_features, bias is not None, group, 8)
+    layer.weight, layer.scales, layer.biases = mx.array(packed), mx.array(scales), mx.array(biases)
+    if bias is not None:
+        layer.bias = bias
+    return layer
+
+
+def dense_linear(weight, bias):
+    _, nn = _mlx()
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias is not None)
+    layer.weight = weight
+    if bias is not None:
+        layer.bias = bias
+    return layer
+
+
+def dequantized(layer) -> np.ndarray:
+    """The float32 weight a linear multiplies by (quantized or not)."""
+    mx, nn = _mlx()
+    if isinstance(layer, nn.QuantizedLinear):
+        w = mx.dequantize(
+            layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=8
+        )
+        return np.array(w)
+    return np.array(layer.weight.astype(mx.float32))
+
+
+def check_architecture(model_type: str) -> str:
+    """The mlx-lm module for `model_type`; UnsupportedArchitecture in one line if none."""
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"the mlx engine does not run {model_type!r} models (it runs "
+            f"{', '.join(ARCHITECTURES)}); use --engine torch"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def mlx_args(config) -> dict:
+    """mlx-lm's ModelArgs fields from a transformers config.
+
+    transformers 5 keeps rotary settings in `rope_parameters` (per layer type
+    for Gemma 3), Gemma 3's layer pattern in `layer_types` and some fields
+    under other names (`attribute_map`); mlx-lm reads the older flat fields,
+    and silently takes its defaults for missing ones.
+    """
+    d = config.to_dict()
+    d["model_type"] = config.model_type
+    for alias, field in getattr(config, "attribute_map", {}).items():
+        if field in d:  # e.g. Qwen3-MoE's num_experts is stored as num_local_experts
+            d.setdefault(alias, d[field])
+    rope = d.get("rope_parameters") or {}
+    if config.model_type == "gemma3_text":
+        local = rope.get("sliding_attention") or {}
+        rope = rope.get("full_attention") or {}
+        if "rope_theta" in local:
+            d["rope_local_base_freq"] = local["rope_theta"]
+        d["sliding_window_pattern"] = _gemma_pattern(d.get("layer_types"))
+    if "rope_theta" in rope:
+        d["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" in rope:
+        d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        d["rope_scaling"] = {**rope, "type": kind, "rope_type": kind}
+    return d
+
+
+def _gemma_pattern(layer_types: Sequence[str] | None) -> int:
+    """Gemma 3's sliding_window_pattern (every n-th layer global) from its layer types."""
+    if not layer_types:
+        return 6  # transformers' and mlx-lm's default
+    n = next((i + 1 for i, t in enumerate(layer_types) if t == "full_attention"), None)
+    expected = [
+        "full_attention" if n and i % n == n - 1 else "sliding_attention"
+        for i in range(len(layer_types))
+    ]
+    if n is None or list(layer_types) != expected:
+        raise UnsupportedArchitecture(
+            f"the mlx engine runs Gemma 3 with every n-th layer global, not {list(layer_types)}"
+        )
+    return n
+
+
+def build_mlx_model(config):
+    """An mlx-lm model of `config`'s architecture (weights not loaded yet)."""
+    import importlib
+
+    _mlx()
+    module = importlib.import_module(f"mlx_lm.models.{check_architecture(config.model_type)}")
+    net = module.Model(module.ModelArgs.from_dict(mlx_args(config)))
+    if getattr(config, "tie_word_embeddings", False) and "lm_head" in net:
+        # What mlx-lm's `sanitize` does when a checkpoint has no lm_head.
+        net.pop("lm_head")
+        if hasattr(net, "tie_word_embeddings"):
+            net.tie_word_embeddings = True
+    return net
+
+
+def _owner(net, path: str):
+    """(module holding the attribute, attribute name) for a dotted parameter path."""
+    *parents, leaf = path.split(".")
+    node = net
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node, leaf
+
+
+def _experts(config) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """{mlx-lm name: (transformers state name, how to cut it)} for fused MoE experts."""
+    if config.model_type != "qwen3_moe":
+        return {}
+    inner = config.moe_intermediate_size
+    out = {}
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.switch_mlp."
+        # transformers fuses [gate; up] along the output rows: [E, 2I, H].
+        out[dst + "gate_proj.weight"] = (src + "gate_up_proj", lambda t: t[:, :inner])
+        out[dst + "up_proj.weight"] = (src + "gate_up_proj", lambda t: t[:, inner:])
+        out[dst + "down_proj.weight"] = (src + "down_proj", lambda t: t)
+    return out
+
+
+class MlxModel:
+    """An mlx-lm model running a published state; weights come from the state by name."""
+
+    def __init__(self, config, aliases: Mapping[str, str], precision: str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+        mx, nn = _mlx()
+        self.config, self.aliases, self.precision = config, dict(aliases), precision
+        self.dtype = mx.bfloat16 if precision == "bf16" else mx.float32
+        self.net = build_mlx_model(config)
+        self.linear_names = [
+            n for n, m in self.net.named_modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)
+        ]
+        owned = {f"{n}.{p}" for n in self.linear_names for p in ("weight", "bias")}
+        from mlx.utils import tree_flatten
+
+        self.tensor_names = [n for n, _ in tree_flatten(self.net.parameters()) if n not in owned]
+        self.experts = _experts(config)
+        # name -> the torch tensors it was built from, held so that `is` is a
+        # sound test (an id could be reused once a tensor is freed).
+        self._sources: dict[str, tuple] = {}
+        self.loaded = False
+
+    @property
+    def layers(self) -> int:
+        return len(self.net.layers)
+
+    def load(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Take a version's state (int8 codes + scales, or float); how many tensors were rebuilt.
+
+        A PULSE patch leaves unchanged tensors as the same objects, so after
+        a patch only the changed ones are laid out again, in place.
+        """
+        rebuilt = 0
+        for name in self.linear_names:
+            key = lookup(state, f"{name}.weight", self.aliases)
+            bias_t = state.get(f"{name}.bias")
+            source = (state[key], state.get(key + SCALE_SUFFIX), bias_t)
+            if not _same(self._sources.get(name), source):
+                owner, attr = _owner(self.net, name)
+                owner[attr] = self._linear(state, key, bias_t)
+                self._sources[name], rebuilt = source, rebuilt + 1
+        for name in self.tensor_names:
+            key, cut = self.experts.get(name, (name, None))
+            key = lookup(state, key, self.aliases)
+            source = (state[key], state.get(key + SCALE_SUFFIX))
+            if not _same(self._sources.get(name), source):
+                value = float_value(state, key, {})
+                owner, attr = _owner(self.net, name)
+                owner[attr] = self._array(value if cut is None else cut(value))
+                self._sources[name], rebuilt = source, rebuilt + 1
+        self.loaded = True
+        return rebuilt
+
+    def _array(self, t: torch.Tensor):
+        mx, _ = _mlx()
+        return mx.array(t.detach().float().contiguous().numpy()).astype(self.dtype)
+
+    def _linear(self, state, key: str, bias_t):
+        bias = None if bias_t is None else self._array(bias_t)
+        scale = state.get(key + SCALE_SUFFIX)
+        if self.precision == "int8" and scale is not None:
+            layout = int8_layout(state[key], scale)
+            if layout is not None:
+                return quantized_linear(layout, bias)
+        return dense_linear(self._array(float_value(state, key, {})), bias)
+
+    def linear(self, name: str):
+        owner, attr = _owner(self.net, name)
+        return owner[attr]
+
+    def last_logits(self, ids, cache):
+        """Logits [B, V] of each row's last column: mlx-lm's forward, the head on
+        one column only (each supported Model.__call__ is body + lm_head or the
+        tied embedding)."""
+        if not self.loaded:
+            raise RuntimeError("no weights loaded: call load(state) first")
+        h = self.net.model(ids, cache)[:, -1:, :]
+        head = self.net.lm_head if "lm_head" in self.net else self.net.model.embed_tokens.as_linear
+        return head(h)[:, 0, :]
+
+    def sequence_logprobs(self, ids: list[int], start: int, temperature: float = 1.0):
+        """Log-probs (torch, float32) of ids[start:] given their prefixes: one
+        teacher-forced pass through mlx-lm's own forward and mask."""
+        from colonnade.model.logprobs import gather_logprobs
+
+        mx, _ = _mlx()
+        if not 0 < start < len(ids):
+            raise ValueError("start must leave a prefix and at least one scored token")
+        logits = self.net(mx.array([ids]))[0, start - 1 : -1].astype(mx.float32)
+        return gather_logprobs(
+            torch.from_numpy(np.array(logits)), torch.tensor(ids[start:]), temperature
+        )
+
+
+def _same(old: tuple | None, new: tuple) -> bool:
+    return old is not None and all(a is b for a, b in zip(old, new, strict=True))
+
+
+def _layer_cache_class():
+    """`_LayerCache`, defined once mlx-lm is importable."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    class _LayerCache(BatchKVCache):
+        """mlx-lm's preallocated batch cache; mask and RoPE offsets from the session."""
+
+        def __init__(self, session: _MlxSession):
+            super().__init__([0] * session.batch)
+            self.session = session
+
+        def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
+            return self.session.mask(window_size, return_array)
+
+    return _LayerCache
 
 
 class _MlxSession:
     def __init__(self, engine: MlxEngine, batch: int):
-        import mlx.core as mx
-
-        self.mx, self.engine = mx, engine
+        self.mx, _ = _mlx()
+        self.engine, self.batch = engine, batch
         self.layout = Layout(batch, torch.device("cpu"))
-        self.cache: list = [None] * engine.model.shape.layers
+        cls = _layer_cache_class()
+        self.cache = [cls(self) for _ in range(engine.model.layers)]
+        self._masks: dict = {}
+        self._width = 0
+        self._block_mask: torch.Tensor | None = None
 
     def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         mx = self.mx
         ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
-        if mask is not None:
-            mask = mx.array(mask.numpy())
-        elif ids.shape[1] > 1:  # no padding: causal, last query aligned with the last key
-            mask = "causal"
-        logits = self.engine.model(
-            mx.array(ids.numpy()), mx.array(positions.numpy()), mask, self.cache
-        )
+        self._width, self._block_mask, self._masks = ids.shape[1], mask, {}
+        # RoPE rotates column j of row b by offset_b + j: the position of the
+        # row's last (always real) column, counted back. Pad columns get
+        # positions below the row's own; they are masked out of every query.
+        offset = mx.array((positions[:, -1] - (self._width - 1)).numpy())
+        for c in self.cache:
+            c.offset = offset
+        logits = self.engine.model.last_logits(mx.array(ids.numpy()), self.cache)
         # MLX is lazy: evaluating the cache with the logits keeps each step's
         # graph from growing into the next one.
-        mx.eval(logits, *[a for kv in self.cache for a in kv])
+        mx.eval(logits, *[a for c in self.cache for a in (c.keys, c.values)])
         return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    def mask(self, window: int | None, return_array: bool):
+        """This step's attention mask for every layer of one kind (full or windowed)."""
+        key = (window, return_array)
+        if key not in self._masks:
+            self._masks[key] = self._make_mask(window, return_array)
+        return self._masks[key]
+
+    def _make_mask(self, window: int | None, return_array: bool):
+        from mlx_lm.models.cache import create_attention_mask
+
+        width, keys = self._width, self.layout.real.shape[1]
+        if self._block_mask is None:
+            # No row was ever padded: every row's positions are its columns.
+            return create_attention_mask(width, keys - width, return_array, window)
+        allowed = self._block_mask
+        if window is not None:
+            # Real-token positions: a window counts tokens, not cache columns.
+            kpos = self.layout.real.long().cumsum(dim=1)
+            near = kpos[:, -width:, None] - kpos[:, None, :] < window
+            allowed = allowed & near[:, None]
+        return self.mx.array(allowed.numpy())
 
     def keep(self, rows: list[int]) -> None:
         index = self.mx.array(self.layout.keep(rows).numpy())
         drop = self.layout.trim()
-        self.cache = [(k[index, :, drop:], v[index, :, drop:]) for k, v in self.cache]
+        for c in self.cache:
+            k, v = c.keys_and_values()
+            c.keys, c.values = k[index, :, drop:], v[index, :, drop:]
+            c._idx = c.keys.shape[2]
 
     def extend(self, other: _MlxSession) -> None:
         pad_a, pad_b = self.layout.extend(other.layout)
@@ -53,21 +425,20 @@ class _MlxSession:
         def left(a, columns: int):
             return mx.pad(a, [(0, 0), (0, 0), (columns, 0), (0, 0)]) if columns else a
 
-        self.cache = [
-            (
-                mx.concatenate([left(k, pad_a), left(k2, pad_b)]),
-                mx.concatenate([left(v, pad_a), left(v2, pad_b)]),
-            )
-            for (k, v), (k2, v2) in zip(self.cache, other.cache, strict=True)
-        ]
+        for mine, theirs in zip(self.cache, other.cache, strict=True):
+            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
+            mine.keys = mx.concatenate([left(k, pad_a), left(k2, pad_b)])
+            mine.values = mx.concatenate([left(v, pad_a), left(v2, pad_b)])
+            mine._idx = mine.keys.shape[2]
+        self.batch += other.batch
 
 
 class MlxEngine(Engine):
-    """Runs an `MlxLlama` over batches of multi-turn episodes (sampling on CPU)."""
+    """Runs an `MlxModel` over batches of multi-turn episodes (sampling on CPU)."""
 
     name = "mlx"
 
-    def __init__(self, model: MlxLlama, tokenizer, version: int = 0):
+    def __init__(self, model: MlxModel, tokenizer, version: int = 0):
         self._bind(model, tokenizer, version)
         self.device = torch.device("cpu")  # where the sampled ids live
 
@@ -76,7 +447,7 @@ class MlxEngine(Engine):
         """An engine over `state` (int8 codes or float) named as `skeleton`'s tensors."""
         from colonnade.model import tied_aliases
 
-        model = MlxLlama(skeleton, tied_aliases(skeleton), precision)
+        model = MlxModel(skeleton.config, tied_aliases(skeleton), precision)
         model.load(state)
         return cls(model, tokenizer, version=version)
 
