@@ -6,7 +6,8 @@ python liar_worker.py --store DIR --id NAME
 import argparse
 import sys
 
-from colonnade.rollout.worker import Worker, WorkerConfig
+from colonnade.config import WorkerConfig
+from colonnade.rollout.worker import Worker
 
 
 class LiarWorker(Worker):

@@ -11,7 +11,8 @@ import logging
 import sys
 import time
 
-from colonnade.rollout.worker import Worker, WorkerConfig
+from colonnade.config import WorkerConfig
+from colonnade.rollout.worker import Worker
 
 
 class SlowWorker(Worker):

@@ -136,7 +136,8 @@ def _check_fallback(store, metas, v: int, what: str) -> None:
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "meta"])
 def test_a_worker_gives_up_on_an_anchor_that_never_verifies(tmp_path, monkeypatch, damage):
     import colonnade.rollout.worker as worker_mod
-    from colonnade.rollout.worker import Worker, WorkerConfig
+    from colonnade.config import WorkerConfig
+    from colonnade.rollout.worker import Worker
 
     store = LocalStore(tmp_path)
     pub = Publisher(store, "int8", anchor_every=K)

@@ -6,9 +6,10 @@ import io
 import pytest
 from rich.console import Console
 
+from colonnade.config import RunConfig
 from colonnade.launch import evaluation
 from colonnade.launch import run as launch_run
-from colonnade.launch.config import RunConfig, eval_sampling, role_configs
+from colonnade.launch.config import eval_sampling, role_configs
 from colonnade.protocol import keys
 from colonnade.store import LocalStore
 

@@ -13,8 +13,9 @@ import time
 import pytest
 from rich.console import Console
 
+from colonnade.config import RunConfig
 from colonnade.launch import run as launch_run
-from colonnade.launch.config import RunConfig, resolve_run_config, role_configs
+from colonnade.launch.config import resolve_run_config, role_configs
 from colonnade.launch.processes import Child, EarlyStop
 from colonnade.protocol import keys
 from colonnade.store import LocalStore

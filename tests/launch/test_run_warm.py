@@ -6,8 +6,9 @@ import io
 import pytest
 from rich.console import Console
 
+from colonnade.config import RunConfig
 from colonnade.launch import run as launch_run
-from colonnade.launch.config import RunConfig, role_configs
+from colonnade.launch.config import role_configs
 
 
 @pytest.fixture

@@ -105,7 +105,8 @@ def test_collector_takes_only_signed_batches_once(tmp_path, keydir):
 
 
 def test_a_worker_without_a_key_cannot_join_a_signed_run(tmp_path):
-    from colonnade.rollout.worker import Worker, WorkerConfig
+    from colonnade.config import WorkerConfig
+    from colonnade.rollout.worker import Worker
     from colonnade.train.trainer import RunSpec
 
     store = LocalStore(tmp_path / "store")
@@ -117,7 +118,8 @@ def test_a_worker_without_a_key_cannot_join_a_signed_run(tmp_path):
 
 
 def test_worker_id_comes_from_its_key(tmp_path, keydir):
-    from colonnade.rollout.worker import Worker, WorkerConfig
+    from colonnade.config import WorkerConfig
+    from colonnade.rollout.worker import Worker
 
     store = LocalStore(tmp_path / "store")
     w = Worker(WorkerConfig(store="x", key=str(keydir / "w2.key")), store)

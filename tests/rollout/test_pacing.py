@@ -5,11 +5,12 @@ from types import SimpleNamespace
 import pytest
 
 import colonnade.rollout.worker as worker_module
+from colonnade.config import WorkerConfig
 from colonnade.protocol import RunSpec, keys
 from colonnade.protocol.documents import Quarantine, QuarantineDecision
 from colonnade.protocol.polling import moving_gap, poll_interval
 from colonnade.protocol.schemas import Latest, VersionMeta, dumps
-from colonnade.rollout.worker import Quarantined, Worker, WorkerConfig, pace_quota
+from colonnade.rollout.worker import Quarantined, Worker, pace_quota
 from colonnade.store import LocalStore
 from colonnade.store.counting import Counting
 

@@ -141,8 +141,9 @@ def test_trainer_hub_model_offline_is_one_line(tmp_path, capsys, monkeypatch):
 
 def test_resume_publishes_a_checkpoint_whose_version_was_cut_short(tiny_dir, tmp_path):
     from colonnade import pulse
+    from colonnade.config import TrainerConfig
     from colonnade.protocol import Follower, latest_version, read_meta
-    from colonnade.train.trainer import Trainer, TrainerConfig
+    from colonnade.train.trainer import Trainer
 
     cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
                         staging_dir=str(tmp_path / "staging"))  # fmt: skip
@@ -182,7 +183,7 @@ def test_a_checkpoint_goes_to_s3_in_parts_and_comes_back(tiny, tmp_path, seaweed
 
 def test_out_of_range_settings_fail_when_the_config_is_built():
     # max_lag=-1 was accepted here and failed later in a worker.
-    from colonnade.train.trainer import TrainerConfig
+    from colonnade.config import TrainerConfig
 
     TrainerConfig().check()
     for bad in (
@@ -198,7 +199,8 @@ def test_out_of_range_settings_fail_when_the_config_is_built():
 
 def test_max_grad_norm_and_scale_by_std_reach_the_step(tiny_dir, tmp_path):
     # Settings the step had but no config could set before.
-    from colonnade.train.trainer import Trainer, TrainerConfig
+    from colonnade.config import TrainerConfig
+    from colonnade.train.trainer import Trainer
 
     cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
                         max_grad_norm=0.25, scale_by_std=True)  # fmt: skip

@@ -8,65 +8,39 @@ from pathlib import Path
 
 from .envargs import add_env_arg, env_kwargs
 
+# The trainer's settings a run most often changes, as plain flags; every other
+# one is --trainer.NAME. Settings the run itself decides are not flags.
+TRAINER_SHORTCUTS = ("max_versions", "max_lag", "device")
+_SET_BY_RUN = ("store", "endpoint_url", "env", "model", "metrics_port")
+_WORKER_SET_BY_RUN = (*_SET_BY_RUN, "id", "key")
+
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="smoke (under 3 min) | demo (the default: searchqa)")
+    from colonnade.config import RUN_PRESETS, RunConfig, TrainerConfig, WorkerConfig, add_flags
+
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"named settings: {' | '.join(RUN_PRESETS)} (config/presets.py; default demo)",
+    )
     p.add_argument("--config", type=Path, help="run.toml: run keys, [trainer], [worker] tables")
-    p.add_argument("--out", help="run directory (default runs/<timestamp>)")
-    p.add_argument("--store", help="run prefix (default <out>/store); s3://bucket/prefix too")
-    p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
-    p.add_argument("--env", help="environment name or import path")
     add_env_arg(p)
-    p.add_argument("--model", help="preset (tiny, smollm2-135m), model directory or hub name")
-    p.add_argument("--workers", type=int, help="rollout worker processes (default 2)")
-    p.add_argument("--threads", type=int, help="torch threads per process (default 1)")
-    p.add_argument(
-        "--trainer-ranks",
-        type=int,
-        help="trainer processes (default 1); from 2 up the trainer runs under torchrun with "
-        "FSDP2 (one per GPU on CUDA, gloo on the CPU)",
+    run = p.add_argument_group("run settings", "each is also a top-level key of --config")
+    dests = {"run": add_flags(run, RunConfig, skip=("preset",))}
+    dests["shortcuts"] = add_flags(run, TrainerConfig, only=TRAINER_SHORTCUTS)
+    trainer = p.add_argument_group("trainer settings", "each is also a key of [trainer]")
+    dests["trainer"] = add_flags(
+        trainer, TrainerConfig, skip=(*TRAINER_SHORTCUTS, *_SET_BY_RUN), prefix="trainer."
     )
-    p.add_argument(
-        "--device",
-        choices=["auto", "cuda", "mps", "cpu"],
-        help="the trainer's device (default auto); workers take [worker] device",
-    )
-    p.add_argument("--max-versions", type=int, help="versions the trainer publishes")
-    p.add_argument("--max-lag", type=int, help="oldest usable rollout: v - max_lag")
-    p.add_argument("--eval-n", type=int, help="held-out tasks evaluated before and after (0: none)")
-    p.add_argument(
-        "--max-minutes",
-        type=float,
-        help="wall-clock budget from the start: when spent, the trainer stops after the "
-        "version in flight and the final model is still exported, evaluated and reported",
-    )
-    p.add_argument("--metrics-port", type=int, help="trainer's Prometheus port; worker i: +1+i")
-    p.add_argument(
-        "--no-warmstart",
-        dest="warmstart",
-        action="store_false",
-        default=None,
-        help="train the model as given (no supervised warm start)",
-    )
-    p.add_argument(
-        "--no-sign",
-        dest="sign",
-        action="store_false",
-        default=None,
-        help="let workers upload unsigned batches (default: a key pair per worker)",
-    )
-    p.add_argument(
-        "--no-live",
-        dest="live",
-        action="store_false",
-        default=None,
-        help="one log line per version instead of the live view",
-    )
+    worker = p.add_argument_group("worker settings", "each is also a key of [worker]")
+    dests["worker"] = add_flags(worker, WorkerConfig, skip=_WORKER_SET_BY_RUN, prefix="worker.")
+    p.set_defaults(setting_dests=dests)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
+        usage="colonnade run [--preset NAME] [--config FILE] [--env-arg K=V] [--SETTING VALUE ...]",
         help="the embedded default: warm start, 1 trainer + N workers, eval, report",
         description="Run end to end on this machine: warm start (cached), held-out eval, "
         "then 1 trainer and N workers as separate processes joined only by the store, "
@@ -91,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = c.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = csub.add_parser(
         "show",
+        usage="colonnade config show [--preset NAME] [--config FILE] [--SETTING VALUE ...]",
         help="print the effective run, trainer and worker settings as TOML",
         description="Print every role's settings after preset, --config file and flags.",
     )
@@ -99,36 +74,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolved(args: argparse.Namespace):
+    from colonnade.config import flag_values
     from colonnade.launch import resolve_run_config
 
     from .main import CliError
 
+    dests = args.setting_dests
     trainer = {
-        k: v for k in ("max_versions", "max_lag", "device") if (v := getattr(args, k)) is not None
+        **flag_values(args, dests["shortcuts"]),
+        **flag_values(args, dests["trainer"], prefix="trainer."),
     }
-    flags = {
-        k: getattr(args, k)
-        for k in (
-            "out",
-            "store",
-            "endpoint_url",
-            "env",
-            "model",
-            "workers",
-            "threads",
-            "trainer_ranks",
-            "eval_n",
-            "max_minutes",
-            "metrics_port",
-            "warmstart",
-            "live",
-            "sign",
-        )
-    }
-    kwargs = env_kwargs(args)
+    worker = flag_values(args, dests["worker"], prefix="worker.")
     try:
         return resolve_run_config(
-            args.preset, args.config, trainer=trainer or None, env_kwargs=kwargs, **flags
+            args.preset,
+            args.config,
+            trainer=trainer or None,
+            worker=worker or None,
+            env_kwargs=env_kwargs(args),
+            **flag_values(args, dests["run"]),
         )
     except ValueError as e:
         raise CliError(str(e)) from None

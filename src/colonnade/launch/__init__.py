@@ -5,6 +5,6 @@ it starts are the same `colonnade trainer` / `colonnade worker` processes a
 user starts by hand across machines, joined only by the store.
 """
 
-from .config import RUN_PRESETS, RunConfig, resolve_run_config, role_configs
+from .config import resolve_run_config, role_configs
 
-__all__ = ["RUN_PRESETS", "RunConfig", "resolve_run_config", "role_configs"]
+__all__ = ["resolve_run_config", "role_configs"]

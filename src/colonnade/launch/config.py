@@ -17,84 +17,21 @@ import dataclasses
 import json
 import re
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from colonnade.config import load_config
+from colonnade.config import (
+    RUN_PRESETS,
+    TRAINER_PRESETS,
+    RunConfig,
+    TrainerConfig,
+    WorkerConfig,
+    load_config,
+)
 from colonnade.envs.args import check_env_kwargs
-from colonnade.rollout import SamplingParams
-from colonnade.rollout.worker import WorkerConfig
-from colonnade.train.presets import PRESETS as TRAINER_PRESETS
-from colonnade.train.trainer import TrainerConfig
 
-
-@dataclass
-class RunConfig:
-    preset: str = "demo"
-    env: str = "searchqa"
-    model: str = "tiny"
-    out: str = ""  # run directory; default runs/<timestamp>
-    store: str = ""  # default <out>/store; s3://bucket/prefix to use S3
-    endpoint_url: str | None = None
-    workers: int = 2
-    threads: int = 1  # torch threads per process (2 cores: 1 each)
-    trainer_ranks: int = 1  # from 2 up: torchrun, FSDP2 (gloo on the CPU)
-    warmstart: bool = True
-    warmstart_steps: int | None = None  # None: the model's default
-    warmstart_drill_steps: int | None = None  # copy drill first; None: per model and task
-    good_fraction: float | None = None  # None: per model and task (warmstart.py)
-    eval_n: int = 200  # held-out tasks before and after
-    eval_batch: int = 50
-    eval_temperature: float = 1.0
-    metrics_port: int | None = None  # trainer's; worker i gets port + 1 + i
-    # Wall-clock budget of the whole run from its start; when spent the trainer
-    # stops after the version in flight, and the final eval, export and report
-    # still happen (their time is not counted). None: no budget.
-    max_minutes: float | None = None
-    live: bool = True  # the rich live view (off: one log line per version)
-    sign: bool = True  # a key pair per worker under <out>/keys; the trainer requires them
-    trainer: dict = field(default_factory=dict)  # TrainerConfig overrides
-    worker: dict = field(default_factory=dict)  # WorkerConfig overrides
-
-
-RUN_PRESETS: dict[str, dict[str, Any]] = {
-    # Under 3 minutes on 2 cores: the smoke env, a short warm start.
-    "smoke": {
-        "env": "smoke",
-        "model": "tiny",
-        "warmstart_steps": 300,
-        "good_fraction": 0.3,
-        "eval_n": 100,
-        "trainer": {
-            "preset": "smoke",
-            "max_versions": 40,
-            # 1e-3 lifts pass@1 to ~0.9 by v7, then collapses to 0 at v8;
-            # 3e-4 climbs steadily to ~0.97 (see docs/benchmarks.md).
-            "lr": 3e-4,
-            "max_lag": 2,
-            "group_size": 8,
-            "groups_per_step": 8,
-        },
-    },
-    # The project's learning goal: searchqa on the tiny model.
-    "demo": {
-        "env": "searchqa",
-        "model": "tiny",
-        "eval_n": 200,
-        "trainer": {
-            "preset": "searchqa",
-            # Most of the lift (search use ~0.35 -> 1.0) comes by v40; later
-            # versions sharpen the copying. At 3e-4 the training pass rate
-            # peaked by v40 and then fell as Adam's noise wore the copying
-            # away; 1e-4 keeps climbing (docs/benchmarks.md).
-            "max_versions": 200,
-            "lr": 1e-4,
-            "group_size": 8,
-            "groups_per_step": 4,
-        },
-    },
-}
+if TYPE_CHECKING:
+    from colonnade.protocol.turns import SamplingParams
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -133,12 +70,6 @@ def resolve_run_config(
     cfg = load_config(RunConfig, base=values)
     trainer, _ = role_configs(cfg)  # fail now, not in a child process, on a bad table
     check_env_kwargs(trainer.env_kwargs, "[trainer] env_kwargs")
-    if cfg.workers < 0 or cfg.threads < 1 or cfg.eval_n < 0 or cfg.eval_batch < 1:
-        raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
-    if cfg.trainer_ranks < 1:
-        raise ValueError("trainer_ranks must be >= 1")
-    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
-        raise ValueError("max_minutes must be > 0")
     return cfg
 
 
@@ -152,7 +83,9 @@ def eval_sampling(cfg: RunConfig) -> SamplingParams:
     the run's eval temperature, the trainer's turn and token limits (the workers'
     own), so an eval's figures and the run's are of the same episodes."""
     trainer, _ = role_configs(cfg)
-    return dataclasses.replace(trainer.sampling(), temperature=cfg.eval_temperature)
+    from colonnade.protocol.turns import run_sampling  # torch: not on the config path
+
+    return dataclasses.replace(run_sampling(trainer), temperature=cfg.eval_temperature)
 
 
 def role_configs(cfg: RunConfig, model_path: str | None = None):
@@ -173,7 +106,6 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
         endpoint_url=cfg.endpoint_url,
         metrics_port=cfg.metrics_port,
     )
-    trainer.check()  # a bad range fails here, before any process starts
     worker = load_config(
         WorkerConfig, base=dict(cfg.worker), store=store, endpoint_url=cfg.endpoint_url
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from colonnade.config import RunConfig, TrainerConfig
 from colonnade.envs import Demonstrating, Metric, load_environment, metrics_of
 from colonnade.model import resolve_model
 from colonnade.progress import Tracker
@@ -26,11 +27,10 @@ from colonnade.protocol.presence import alive
 from colonnade.protocol.signing import new_keypair
 from colonnade.rollout.evaluate import figures_line
 from colonnade.store import ObjectStore, open_store
-from colonnade.train.trainer import TrainerConfig
 from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
 from . import evaluation
-from .config import RunConfig, effective_tables, eval_sampling, role_configs, to_toml
+from .config import effective_tables, eval_sampling, role_configs, to_toml
 from .live import ALIVE_SECONDS, log_line, render, snapshot
 from .processes import Child, EarlyStop, spawn, stop_all, terminate_as_interrupt, wait_exit
 

@@ -7,7 +7,7 @@ texts from token ids alone and rescores them. Both sides call the functions
 here, so the two readings of an episode cannot drift apart:
 
 - `SamplingParams`: the rules a worker samples with; run.json's `sampling`
-  object carries them from the trainer (`TrainerConfig.sampling`) to every
+  object carries them from the trainer (`run_sampling`) to every
   worker (docs/protocol.md).
 - `chat_prompt`: the prompt tokens of a task's messages.
 - `episode_stops`: the stop strings, the run's then the environment's.
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from colonnade.config import TrainerConfig
 from colonnade.envs import Environment
 
 
@@ -44,6 +45,15 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 and top_p in (0, 1]")
         if self.max_turn_tokens < 1 or self.max_episode_tokens < 1:
             raise ValueError("token limits must be >= 1")
+
+
+def run_sampling(cfg: TrainerConfig) -> SamplingParams:
+    """How a run's workers sample, from the trainer's settings (into run.json)."""
+    return SamplingParams(
+        temperature=cfg.temperature,
+        max_turn_tokens=cfg.max_turn_tokens,
+        max_episode_tokens=cfg.max_episode_tokens,
+    )
 
 
 def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:

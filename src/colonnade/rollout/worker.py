@@ -20,12 +20,12 @@ import random
 import signal
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from colonnade.background import Background
+from colonnade.config import WorkerConfig
 from colonnade.envs import load_environment
 from colonnade.model import pick_device, tied_aliases
 from colonnade.protocol import (
@@ -58,28 +58,6 @@ log = logging.getLogger("colonnade.worker")
 # A heartbeat at most this often (and with the first batch): the trainer
 # counts workers alive over `heartbeat_timeout` (60 s).
 HEARTBEAT_SECONDS = 20.0
-
-
-@dataclass
-class WorkerConfig:
-    store: str = ""
-    endpoint_url: str | None = None
-    id: str = ""  # default: host name and process id
-    device: str = "cpu"
-    engine: str = "auto"  # auto | torch | mlx (auto: MLX on Apple silicon when installed)
-    max_batches: int = 0  # 0: until the run is done
-    poll_seconds: float = 1.0
-    # Pacing: no more batches of a version once the store holds `pace_quota`
-    # of its groups. The trainer takes the newest first, so more would be
-    # dropped as stale, and on a machine shared with the trainer they cost it
-    # CPU. A paced worker waits for the next version at most this long, then
-    # makes a batch anyway, so batches the trainer refuses cannot stall the
-    # fleet. 0: never pace.
-    pace_seconds: float = 10.0
-    join_timeout: float = 600.0  # how long to wait for run.json
-    metrics_port: int | None = None  # serve Prometheus metrics on this port
-    key: str = ""  # private key file (`colonnade keys new`); names the worker too
-    seed: int = 0
 
 
 def pace_quota(groups_per_step: int, max_lag: int) -> int:

@@ -26,12 +26,13 @@ import socket
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from colonnade.background import Background
+from colonnade.config import TrainerConfig
 from colonnade.envs import load_environment, metrics_of
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
@@ -49,9 +50,8 @@ from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import fresh_workers
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, batch_bytes_bound
 from colonnade.protocol.signing import keyring_json, load_keyring
-from colonnade.protocol.turns import SamplingParams, episode_stops
+from colonnade.protocol.turns import episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
-from colonnade.pulse import HASHES
 from colonnade.store import ObjectStore, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
@@ -68,116 +68,10 @@ from .step import StepConfig, StepFigures, train_step
 
 log = logging.getLogger("colonnade.trainer")
 PING_SECONDS = 20.0  # rank 0 tells waiting ranks it lives at least this often
-DTYPES = ("auto", "bf16", "fp32")
 
 
 class RunConflict(RuntimeError):
     """The prefix holds a run this trainer must not take over."""
-
-
-@dataclass
-class TrainerConfig:
-    store: str = ""
-    endpoint_url: str | None = None
-    env: str = "smoke"
-    env_kwargs: dict = field(default_factory=dict)
-    model: str = "tiny"
-    precision: str = "int8"  # of published weights: what workers run
-    hash: str = "blake3"  # of published states and payloads: blake3, or sha256 if required
-    device: str = "auto"  # auto: CUDA, then MPS, then CPU
-    dtype: str = "auto"  # compute: bf16 (fp32 masters and Adam) or fp32; auto: bf16 on CUDA
-    grad_ckpt: bool | None = None  # activation checkpointing; None: on for CUDA
-    fsdp: bool = False  # FSDP2 on a single process too (per-layer bf16 casts); always with ranks
-    max_versions: int = 20  # stop once this version is published
-    max_lag: int = 2  # 0: synchronous on-policy
-    anchor_every: int = 10
-    group_size: int = 8
-    groups_per_step: int = 8
-    groups_per_batch: int = 2  # per worker upload
-    lr: float = 1e-5
-    # Linear warm-up of the rate over the first versions: Adam's first updates
-    # move every weight by about the full rate, and a smoke run at 3e-4 with
-    # none collapsed at v4 (mismatch KL 1.9, every reward 0 after).
-    warmup_versions: int = 10
-    weight_decay: float = 0.0
-    temperature: float = 1.0
-    max_turn_tokens: int = 96
-    max_episode_tokens: int = 512
-    delta_low: float = 0.15
-    delta_high: float = 0.15
-    ratio_clip: float = 2.0
-    max_grad_norm: float = 1.0  # clip of the gradient's global norm
-    scale_by_std: bool = False  # advantages divided by the group's reward std
-    micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
-    logit_chunk_tokens: int = 4096  # row-positions whose fp32 logits exist at once
-    checkpoint_every: int = 5
-    keep_checkpoints: int = 2  # older complete checkpoints are deleted
-    retain_all: bool = False  # keep every rollout, ledger and version (audits); see retention.py
-    staging_dir: str = ""  # local folder for checkpoint shards; default <cache>/staging
-    multipart_mb: int = 64  # store objects from this size up go multipart / ranged
-    poll_seconds: float = 1.0
-    resume: bool = True  # continue a run found under the prefix
-    takeover: bool = False  # ignore a fresh heartbeat of another trainer
-    heartbeat_timeout: float = 60.0
-    metrics_port: int | None = None  # serve Prometheus metrics on this port
-    store_outage_seconds: float = 900.0  # keep retrying an unavailable store this long
-    # Registered workers' public keys: a .pub file or a directory of them,
-    # re-read every step so workers can be added mid-run. Set: every batch
-    # must be signed by its worker's key. Empty: unsigned batches are taken.
-    worker_keys: str = ""
-    quarantine_factor: float = 5.0  # × the fleet's median mismatch; 0: never quarantine
-    quarantine_min_tokens: int = 400
-    seed: int = 0
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            max_turn_tokens=self.max_turn_tokens,
-            max_episode_tokens=self.max_episode_tokens,
-        )
-
-    def check(self) -> None:
-        """Settings no step can run with: a ValueError naming them."""
-        if self.hash not in HASHES:
-            raise ValueError(f"hash {self.hash!r}: choose one of {', '.join(HASHES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if min(self.micro_tokens, self.logit_chunk_tokens, self.checkpoint_every) < 1:
-            raise ValueError("micro_tokens, logit_chunk_tokens and checkpoint_every must be >= 1")
-        if self.multipart_mb < 5:
-            raise ValueError("multipart_mb must be >= 5 (S3's smallest part)")
-        bad = [name for name, ok in _ranges(self) if not ok]
-        if bad:
-            raise ValueError(f"out of range: {'; '.join(bad)}")
-
-
-def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
-    """(setting and its allowed range, whether it holds): checked when the
-    config is built, so a bad value fails at once and not later in a worker."""
-    return [
-        ("max_versions >= 1", c.max_versions >= 1),
-        ("max_lag >= 0", c.max_lag >= 0),
-        ("anchor_every >= 1", c.anchor_every >= 1),
-        ("group_size >= 2", c.group_size >= 2),
-        ("groups_per_step >= 1", c.groups_per_step >= 1),
-        ("groups_per_batch >= 1", c.groups_per_batch >= 1),
-        ("lr > 0", c.lr > 0),
-        ("warmup_versions >= 0", c.warmup_versions >= 0),
-        ("weight_decay >= 0", c.weight_decay >= 0),
-        ("temperature > 0", c.temperature > 0),
-        ("max_turn_tokens >= 1", c.max_turn_tokens >= 1),
-        ("max_episode_tokens >= max_turn_tokens", c.max_episode_tokens >= c.max_turn_tokens),
-        ("delta_low > 0", c.delta_low > 0),
-        ("delta_high > 0", c.delta_high > 0),
-        ("ratio_clip >= 1", c.ratio_clip >= 1),
-        ("max_grad_norm > 0", c.max_grad_norm > 0),
-        ("keep_checkpoints >= 1", c.keep_checkpoints >= 1),
-        ("poll_seconds > 0", c.poll_seconds > 0),
-        ("heartbeat_timeout > 0", c.heartbeat_timeout > 0),
-        ("store_outage_seconds >= 0", c.store_outage_seconds >= 0),
-        ("quarantine_factor >= 0", c.quarantine_factor >= 0),
-        ("quarantine_min_tokens >= 0", c.quarantine_min_tokens >= 0),
-    ]
 
 
 def warmup_lr(lr: float, version: int, warmup: int) -> float:
@@ -188,7 +82,7 @@ def warmup_lr(lr: float, version: int, warmup: int) -> float:
 
 
 def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
-    sp = asdict(cfg.sampling())
+    sp = asdict(run_sampling(cfg))
     sp["stop"] = list(sp["stop"])
     return RunSpec(
         run_id=uuid.uuid4().hex[:12],

@@ -1,8 +1,11 @@
-"""Typed role configs: dataclass defaults, then a TOML file, then CLI flags.
+"""How a role's config is made: dataclass defaults, a preset, a TOML file, flags.
 
-One flat dataclass per role (trainer, worker). `load_config` rejects keys
-the dataclass does not have and values of the wrong type, naming them, so a
-typo in a TOML file fails at start instead of being silently ignored.
+`setting` declares a field with its help text (the one place it is written:
+`--help` and docs read it from there). `load_config` rejects keys the
+dataclass does not have and values of the wrong type, naming them, so a typo
+in a TOML file fails at start instead of being silently ignored; then the
+config's own `check` (ranges) runs, so a bad value fails when the config is
+built and not later in another process.
 """
 
 from __future__ import annotations
@@ -15,6 +18,25 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+HELP = "help"  # field metadata: the setting's one-line documentation
+CHOICES = "choices"
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its documentation (and allowed values, for a flag).
+
+    A dict or list default is copied per instance (dataclass default_factory).
+    """
+    meta = {HELP: help, CHOICES: choices}
+    if isinstance(default, dict | list):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def help_of(cls: type, name: str) -> str:
+    """The documentation `setting` gave field `name` of `cls`."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+    return f.metadata.get(HELP, "")
 
 
 def _accepts(tp: Any, value: Any) -> bool:
@@ -54,4 +76,8 @@ def load_config(
     for k, v in values.items():
         if not _accepts(hints[k], v):
             raise ValueError(f"{k}: expected {hints[k]}, got {v!r}")
-    return cls(**values)
+    cfg = cls(**values)
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check()
+    return cfg

@@ -1,0 +1,144 @@
+"""The trainer's settings (`colonnade trainer`, `[trainer]` in run.toml).
+
+Light on purpose: reading or checking a config imports neither torch nor
+transformers. Every field's help is its `--flag`'s help (`config.flags`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .loading import setting
+
+DTYPES = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cuda", "mps", "cpu")
+PRECISIONS = ("int8", "bf16")
+# pulse.hashing.ALGOS (a test keeps the two equal; importing pulse costs torch).
+HASHES = ("blake3", "sha256")
+
+
+@dataclass
+class TrainerConfig:
+    store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
+    endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
+    env: str = setting("smoke", "environment name or import path")
+    env_kwargs: dict = setting({}, "the environment's arguments (flags: --env-arg k=v)")
+    model: str = setting("tiny", "preset (tiny, smollm2-135m), model directory or hub name")
+    precision: str = setting("int8", "of the published weights: what workers run", PRECISIONS)
+    hash: str = setting(
+        "blake3", "of published states and payloads (sha256 where required)", HASHES
+    )
+    device: str = setting(
+        "auto",
+        "where the trainer computes (auto: CUDA, then MPS, then CPU); under torchrun each "
+        "rank takes the GPU of its local rank",
+        DEVICES,
+    )
+    dtype: str = setting(
+        "auto",
+        "compute precision (auto: bf16 on CUDA, fp32 elsewhere); bf16 keeps fp32 master "
+        "weights and Adam states",
+        DTYPES,
+    )
+    grad_ckpt: bool | None = setting(
+        None, "activation checkpointing of every decoder layer (unset: on for CUDA)"
+    )
+    fsdp: bool = setting(
+        False,
+        "FSDP2 on a single process too: bf16 copies of one layer at a time instead of the "
+        "whole model (always on under torchrun with 2+ ranks)",
+    )
+    max_versions: int = setting(20, "stop once this version is published")
+    max_lag: int = setting(2, "oldest usable rollout: v - max_lag (0: synchronous on-policy)")
+    anchor_every: int = setting(10, "versions between full anchors (K)")
+    group_size: int = setting(8, "episodes per task (G)")
+    groups_per_step: int = setting(8, "groups per optimizer step")
+    groups_per_batch: int = setting(2, "groups per worker upload")
+    lr: float = setting(1e-5, "AdamW learning rate")
+    # Adam's first updates move every weight by about the full rate: a smoke
+    # run at 3e-4 without warm-up collapsed at v4 (mismatch KL 1.9, rewards 0).
+    warmup_versions: int = setting(10, "linear warm-up of the rate over the first versions")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    temperature: float = setting(1.0, "workers' sampling temperature")
+    max_turn_tokens: int = setting(96, "model tokens per turn")
+    max_episode_tokens: int = setting(512, "tokens per episode, prompt and tool replies included")
+    delta_low: float = setting(0.15, "DPPO gate: largest drop of a token's probability kept")
+    delta_high: float = setting(0.15, "DPPO gate: largest rise of a token's probability kept")
+    ratio_clip: float = setting(2.0, "clamp of the importance ratio of kept tokens")
+    max_grad_norm: float = setting(1.0, "clip of the gradient's global norm")
+    scale_by_std: bool = setting(False, "divide advantages by the group's reward std")
+    micro_tokens: int = setting(8192, "padded tokens (rows x longest) per micro-batch")
+    logit_chunk_tokens: int = setting(4096, "row-positions whose fp32 logits exist at once")
+    checkpoint_every: int = setting(5, "versions between checkpoints")
+    keep_checkpoints: int = setting(2, "complete checkpoints kept (older ones are deleted)")
+    retain_all: bool = setting(
+        False,
+        "keep every rollout, ledger and version (for audits); by default what no step or "
+        "joiner can use any more is deleted",
+    )
+    staging_dir: str = setting("", "local folder for checkpoint shards (default <cache>/staging)")
+    multipart_mb: int = setting(64, "store objects from this size (MB) up go multipart / ranged")
+    poll_seconds: float = setting(1.0, "the longest wait between polls of the store")
+    resume: bool = setting(True, "continue a run found under the prefix")
+    takeover: bool = setting(
+        False, "resume even if another trainer's heartbeat is fresh (it is dead)"
+    )
+    heartbeat_timeout: float = setting(60.0, "seconds after which a silent worker counts as gone")
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
+    )
+    store_outage_seconds: float = setting(900.0, "keep retrying an unavailable store this long")
+    # Re-read every step, so workers can be added mid-run.
+    worker_keys: str = setting(
+        "",
+        "registered workers' public keys: a .pub file or a directory of them; batches must "
+        "then be signed (unset: unsigned batches are taken)",
+    )
+    quarantine_factor: float = setting(
+        5.0, "quarantine a worker past this many times the fleet's median mismatch (0: never)"
+    )
+    quarantine_min_tokens: int = setting(400, "tokens seen of a worker before it can be judged")
+    seed: int = setting(0, "seed of task choice and initialisation")
+
+    def check(self) -> None:
+        """Settings no step can run with: a ValueError naming them."""
+        if self.hash not in HASHES:
+            raise ValueError(f"hash {self.hash!r}: choose one of {', '.join(HASHES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if min(self.micro_tokens, self.logit_chunk_tokens, self.checkpoint_every) < 1:
+            raise ValueError("micro_tokens, logit_chunk_tokens and checkpoint_every must be >= 1")
+        if self.multipart_mb < 5:
+            raise ValueError("multipart_mb must be >= 5 (S3's smallest part)")
+        bad = [name for name, ok in _ranges(self) if not ok]
+        if bad:
+            raise ValueError(f"out of range: {'; '.join(bad)}")
+
+
+def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
+    """(setting and its allowed range, whether it holds): checked when the
+    config is built, so a bad value fails at once and not later in a worker."""
+    return [
+        ("max_versions >= 1", c.max_versions >= 1),
+        ("max_lag >= 0", c.max_lag >= 0),
+        ("anchor_every >= 1", c.anchor_every >= 1),
+        ("group_size >= 2", c.group_size >= 2),
+        ("groups_per_step >= 1", c.groups_per_step >= 1),
+        ("groups_per_batch >= 1", c.groups_per_batch >= 1),
+        ("lr > 0", c.lr > 0),
+        ("warmup_versions >= 0", c.warmup_versions >= 0),
+        ("weight_decay >= 0", c.weight_decay >= 0),
+        ("temperature > 0", c.temperature > 0),
+        ("max_turn_tokens >= 1", c.max_turn_tokens >= 1),
+        ("max_episode_tokens >= max_turn_tokens", c.max_episode_tokens >= c.max_turn_tokens),
+        ("delta_low > 0", c.delta_low > 0),
+        ("delta_high > 0", c.delta_high > 0),
+        ("ratio_clip >= 1", c.ratio_clip >= 1),
+        ("max_grad_norm > 0", c.max_grad_norm > 0),
+        ("keep_checkpoints >= 1", c.keep_checkpoints >= 1),
+        ("poll_seconds > 0", c.poll_seconds > 0),
+        ("heartbeat_timeout > 0", c.heartbeat_timeout > 0),
+        ("store_outage_seconds >= 0", c.store_outage_seconds >= 0),
+        ("quarantine_factor >= 0", c.quarantine_factor >= 0),
+        ("quarantine_min_tokens >= 0", c.quarantine_min_tokens >= 0),
+    ]

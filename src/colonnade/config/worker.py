@@ -1,0 +1,51 @@
+"""A rollout worker's settings (`colonnade worker`, `[worker]` in run.toml).
+
+Everything else a worker needs (environment, sampling, group size,
+precision) comes from the run's run.json, written by the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .loading import setting
+
+ENGINES = ("auto", "torch", "mlx")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass
+class WorkerConfig:
+    store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
+    endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
+    id: str = setting("", "the worker's name in the run (default: host-pid)")
+    device: str = setting("cpu", "where the torch engine runs", DEVICES)
+    engine: str = setting(
+        "auto", "rollout engine (auto: MLX on Apple silicon when installed, else torch)", ENGINES
+    )
+    max_batches: int = setting(0, "stop after this many uploads (0: until the run is done)")
+    poll_seconds: float = setting(1.0, "the shortest wait between polls of the store")
+    # The trainer takes the newest groups first, so more than the quota of a
+    # version would be dropped as stale, and on a machine shared with the
+    # trainer they cost it CPU; the wait is bounded so that batches the
+    # trainer refuses cannot stall the fleet.
+    pace_seconds: float = setting(
+        10.0,
+        "once the store holds a version's quota of groups, wait at most this long for the "
+        "next version before making more (0: never wait)",
+    )
+    join_timeout: float = setting(600.0, "how long to wait for the run's run.json")
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
+    )
+    key: str = setting("", "private key file from `colonnade keys new` (signs batches)")
+    seed: int = setting(0, "seed of the worker's sampling")
+
+    def check(self) -> None:
+        """Settings no worker can run with: a ValueError naming them."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.max_batches < 0 or self.poll_seconds <= 0 or self.pace_seconds < 0:
+            raise ValueError("max_batches and pace_seconds must be >= 0; poll_seconds > 0")
+        if self.join_timeout <= 0:
+            raise ValueError("join_timeout must be > 0")
