@@ -35,3 +35,41 @@ def test_worker_cli_says_so_in_one_line(monkeypatch, tmp_path, capsys):
     code = main(["worker", "--store", str(tmp_path), "--engine", "mlx"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "mlx" in err[0] and err[0].startswith("error:")
+
+
+def test_an_engine_that_does_not_run_the_architecture_says_which_do(monkeypatch):
+    monkeypatch.setattr(loader, "mlx_missing", lambda: None)
+    with pytest.raises(loader.UnsupportedArchitecture) as e:
+        loader.resolve_engine("mlx", "gpt2")
+    msg = str(e.value)
+    assert "'gpt2'" in msg and "engines that do: torch" in msg and "\n" not in msg
+    assert loader.resolve_engine("mlx", "qwen3_moe") == "mlx"
+    with pytest.raises(loader.UnsupportedArchitecture, match="no engine of colonnade"):
+        loader.resolve_engine("torch", "not-a-model-type")
+
+
+def test_auto_picks_an_engine_that_runs_the_architecture(monkeypatch):
+    monkeypatch.setattr(loader, "mlx_missing", lambda: None)
+    monkeypatch.setattr(loader, "apple_silicon", lambda: True)
+    assert loader.resolve_engine("auto", "gpt2") == "torch"
+    assert loader.resolve_engine("auto", "gemma3_text") == "mlx"
+
+
+def test_load_engine_refuses_the_architecture_from_config_json_alone(tmp_path, monkeypatch):
+    # No weights in the folder: the refusal comes before anything would load them.
+    from transformers import GPT2Config
+
+    monkeypatch.setattr(loader, "mlx_missing", lambda: None)
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(loader.UnsupportedArchitecture, match="'gpt2'"):
+        loader.load_engine(str(tmp_path), engine="mlx")
+
+
+def test_eval_on_an_unsupported_architecture_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
+    from transformers import GPT2Config
+
+    monkeypatch.setattr(loader, "mlx_missing", lambda: None)
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    code = main(["eval", "--model", str(tmp_path), "--env", "smoke", "-n", "1", "--engine", "mlx"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "'gpt2'" in err[0] and "torch" in err[0]

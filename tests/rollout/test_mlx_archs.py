@@ -19,8 +19,11 @@ from mlx_archs import ARCHS, arch_model, arch_tokenizer
 # measured 0.0 on every architecture here; stated tolerance 1e-4.
 SELF_TOL = 1e-4
 # Cross-engine (MLX float32 activations against the torch kernel's bf16):
-# the target for the mean; the max is stated, not targeted.
-MEAN_GAP, MAX_GAP = 0.05, 0.25
+# the target for the mean; the max is stated, not targeted. An MoE
+# token whose top-k experts tie within that rounding is routed differently
+# by the two engines: its gap is larger (docs/benchmarks.md).
+MEAN_GAP = 0.05
+MAX_GAP = {"qwen3_moe": 1.0}
 
 
 def _engines(arch: str):
@@ -61,7 +64,7 @@ def test_mlx_records_a_teacher_forced_mlx_pass_and_stays_near_torch(mlx_ready, a
     assert all(ep.finish == "done" and len(ep.turns) == 3 and not all(ep.from_model) for ep in eps)
     assert _self_gap(mlx, eps).max() < SELF_TOL
     cross = gaps(eps, torch_engine.model)
-    assert cross.mean() < MEAN_GAP and cross.max() < MAX_GAP, (cross.mean(), cross.max())
+    assert cross.mean() < MEAN_GAP and cross.max() < MAX_GAP.get(arch, 0.25), cross
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -145,6 +146,9 @@ def measure(arch: str, name: str, engine, reference, tok, rows: int, tokens: int
     params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=4 * tokens, ignore_eos=True)
     row = {"arch": arch, "engine": name, "ok": False}
     try:
+        # Untimed first call at the same batch shapes: the torch int8 kernels
+        # are measured and chosen per row count (`model.kernels`) here.
+        engine.generate(prompts, [replies(2) for _ in prompts], replace(params, max_turn_tokens=3))
         t0 = time.perf_counter()
         eps = engine.generate(prompts, [replies(2) for _ in prompts], params, seed=0)
         seconds = time.perf_counter() - t0
