@@ -2,6 +2,8 @@
 
 import logging
 
+import pytest
+
 from colonnade.envs import Score, Task, load_environment, metrics_of, success_of
 from colonnade.rollout.episodes import Result
 from colonnade.rollout.evaluate import figures_line, summarize
@@ -82,3 +84,37 @@ def test_the_reports_eval_table_shows_the_environments_figures_and_rule():
     heads = ["pass_at_1", "reward", "format_ok", "n"]
     assert "".join(f"<th>{h}</th>" for h in heads) in table and "temperature" not in table
     assert "pass@1 counts reward &gt;= 1, declared" in table
+
+
+class _NoTokenizerTexts:
+    """A minimal environment without the optional tokenizer_texts()."""
+
+    name, stop, max_turns = "bare", ("</answer>",), 1
+
+    def tasks(self, split):
+        return [Task("t0", "2+2?", ("4",))]
+
+    def task(self, task_id):
+        return self.tasks("train")[0]
+
+    def prompt(self, task):
+        return [{"role": "user", "content": task.question}]
+
+    def respond(self, task, turns):
+        return None
+
+    def score(self, task, turns):
+        return Score(float("4" in turns[-1]), {})
+
+
+def test_tokenizer_texts_is_optional_and_its_absence_says_what_to_do(tmp_path):
+    from functools import partial
+
+    from colonnade.envs import Environment, tokenizer_texts_of
+    from colonnade.model import resolve_model
+
+    env = _NoTokenizerTexts()
+    assert isinstance(env, Environment)  # loads: a pretrained model needs no texts
+    assert resolve_model("org/model", partial(tokenizer_texts_of, env), cache=tmp_path)
+    with pytest.raises(ValueError, match=r"no tokenizer_texts.*smollm2-135m"):
+        resolve_model("tiny", partial(tokenizer_texts_of, env), cache=tmp_path)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from colonnade.envs import load_environment
+from colonnade.envs import Success, load_environment
 from colonnade.protocol import EpisodeRecord, GroupRecord
 from colonnade.protocol.turns import chat_prompt
 from colonnade.train.samples import Rejected, rebuild_group
@@ -133,3 +133,8 @@ def test_a_step_raises_the_rewarded_episode_and_skips_flat_groups(tiny_dir, sqa)
     with torch.no_grad():
         after = model_sums(policy_logprobs(model, group, tok.pad_token_id, 1.0))
     assert after[0] > before[0] and after[1] < before[1]
+    # The pass rate is the environment's success rule, not reward > 0.
+    strict = StepConfig(success=Success(None, 2.0, True))
+    assert train_step(model, opt, [group, flat], tok.pad_token_id, strict).pass_rate == 0.0
+    by_metric = StepConfig(success=Success("correct", 1.0, True))
+    assert train_step(model, opt, [group, flat], tok.pad_token_id, by_metric).pass_rate == 0.25

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from .envargs import add_env_arg, env_kwargs
@@ -131,7 +132,7 @@ def run_eval(
     a task at temperature 0), and with `show` the first `show` sampled episodes."""
     from dataclasses import replace
 
-    from colonnade.envs import load_environment, metrics_of, success_of
+    from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_texts_of
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
     from colonnade.rollout import load_engine
@@ -141,7 +142,7 @@ def run_eval(
     tasks = list(env.tasks(split))[:n]
     if not tasks:
         raise ValueError(f"split {split!r} of {env_name} has no tasks")
-    path = resolve_model(model, env.tokenizer_texts())
+    path = resolve_model(model, partial(tokenizer_texts_of, env))
     runner = load_engine(path, precision, device, engine=engine)
     # Greedy samples are all alike: one a task.
     passes = [("sampled", params, k)] + (

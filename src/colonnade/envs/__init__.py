@@ -20,6 +20,7 @@ from .base import (
     Task,
     metrics_of,
     success_of,
+    tokenizer_texts_of,
 )
 from .registry import BUILTINS, PREFIXES, load_environment
 
@@ -43,4 +44,5 @@ __all__ = [
     "parse_env_arg",
     "parse_env_args",
     "success_of",
+    "tokenizer_texts_of",
 ]

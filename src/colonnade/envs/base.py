@@ -51,6 +51,10 @@ class Environment(Protocol):
 
     `warmstart_defaults` (dict): model preset -> warm-start settings (fields
     of `train.warmstart.WarmstartConfig`) over the model's defaults.
+
+    `tokenizer_texts()` (-> list of str): text a locally trained tokenizer
+    learns from; only the `tiny` model preset needs it (read with
+    `tokenizer_texts_of`). A pretrained model brings its own tokenizer.
     """
 
     name: str
@@ -73,10 +77,6 @@ class Environment(Protocol):
 
     def score(self, task: Task, turns: Sequence[str]) -> Score:
         """Reward and named metrics of a finished episode (its model turns)."""
-        ...
-
-    def tokenizer_texts(self) -> list[str]:
-        """Text a locally trained tokenizer should learn from."""
         ...
 
 
@@ -117,6 +117,23 @@ class Metric:
     @property
     def key(self) -> str:
         return self.report or self.name
+
+
+def tokenizer_texts_of(env: Any) -> list[str]:
+    """The text the tiny preset's tokenizer learns from; a ValueError saying
+    what to do when the environment has none."""
+    texts = getattr(env, "tokenizer_texts", None)
+    if not callable(texts):
+        name = getattr(env, "name", type(env).__name__)
+        raise ValueError(
+            f"environment {name} has no tokenizer_texts(): the tiny model preset trains its "
+            "tokenizer on the environment's text; use a pretrained model (--model "
+            "smollm2-135m, a model directory or a hub name) or add tokenizer_texts()"
+        )
+    out = list(texts())
+    if not out or not all(isinstance(t, str) for t in out):
+        raise ValueError("tokenizer_texts() must return a non-empty list of strings")
+    return out
 
 
 def metrics_of(env: Any) -> tuple[Metric, ...]:

@@ -58,12 +58,12 @@ def _bind(loader, name: str, kwargs: dict) -> None:
         raise ValueError(f"environment {name}: {e}; it takes {', '.join(params)}") from None
 
 
+# The members of `Environment` (optional attributes are read with getattr).
+REQUIRED = ("name", "stop", "max_turns", "tasks", "task", "prompt", "respond", "score")
+
+
 def _checked(env, module_name: str) -> Environment:
     if not isinstance(env, Environment):
-        missing = [
-            a
-            for a in ("name", "stop", "max_turns", "tasks", "task", "prompt", "respond", "score")
-            if not hasattr(env, a)
-        ]
+        missing = [a for a in REQUIRED if not hasattr(env, a)]
         raise TypeError(f"{module_name}.load_environment() returned an object lacking {missing}")
     return env

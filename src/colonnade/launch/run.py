@@ -13,13 +13,14 @@ import logging
 import signal
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 
 from colonnade.config import RunConfig, TrainerConfig
-from colonnade.envs import Demonstrating, Metric, load_environment, metrics_of
+from colonnade.envs import Demonstrating, Metric, load_environment, metrics_of, tokenizer_texts_of
 from colonnade.model import resolve_model
 from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
@@ -57,7 +58,7 @@ def _warm(cfg: RunConfig, trainer: TrainerConfig, console: Console) -> str:
             "(no demonstration() method); RL starts from the model as given"
         )
     if not cfg.warmstart or not isinstance(env, Demonstrating):
-        return resolve_model(cfg.model, env.tokenizer_texts())
+        return resolve_model(cfg.model, partial(tokenizer_texts_of, env))
     ws = WarmstartConfig(
         model=cfg.model,
         env=cfg.env,

@@ -57,20 +57,23 @@ def build_once(target: Path, build: Callable[[Path], None], facts: dict) -> Path
 
 def resolve_model(
     name: str,
-    texts: Iterable[str] | None = None,
+    texts: Iterable[str] | Callable[[], Iterable[str]] | None = None,
     spec: TinySpec | None = None,
     cache: Path | None = None,
 ) -> str:
     """A path (or hub name) `from_pretrained` can load for `name`.
 
     `name` is a preset (`tiny` needs `texts`, the text its tokenizer learns
-    from), a local model directory, or a hub name passed through unchanged.
+    from, or a function that gives it: called only for `tiny`), a local model
+    directory, or a hub name passed through unchanged.
     """
     root = cache or cache_root()
     spec = spec or TinySpec()
     if name == "tiny":
         if texts is None:
             raise ValueError("the tiny preset trains its tokenizer on the environment's text")
+        if callable(texts):
+            texts = texts()
         digest, items = _texts_digest(texts)
         facts = {"preset": "tiny", "spec": spec.as_dict(), "texts_sha256": digest}
         key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]

@@ -49,7 +49,7 @@ class TrainerRow:
     # train_step's figures, over the step's model tokens
     loss: float = 0.0  # DPPO loss per kept token
     reward_mean: float = 0.0  # mean recomputed reward of the step's episodes
-    pass_rate: float = 0.0  # share of the step's episodes with reward > 0
+    pass_rate: float = 0.0  # share of the step's episodes solved (the env's success rule)
     groups: int = 0  # groups trained on (skipped ones included)
     groups_skipped: int = 0  # groups of equal rewards: no advantage, no samples
     episodes: int = 0  # episodes in those groups

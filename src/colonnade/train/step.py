@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from colonnade.envs.base import SUCCESS_THRESHOLD, Success
 from colonnade.protocol.metrics import TrainerRow, declared
 
 from .advantages import group_advantages
@@ -43,6 +44,9 @@ class StepConfig:
     micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
     max_grad_norm: float = 1.0
     gate: GateConfig = field(default_factory=GateConfig)
+    # The environment's rule for a solved episode (pass rate); the default is
+    # what an environment declaring none gets: reward >= 1.
+    success: Success = field(default_factory=lambda: Success(None, SUCCESS_THRESHOLD, False))
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ def train_step(
     if where.leader:
         rewards, skipped, pairs = _scored(groups, cfg)
         env_means = env_metric_means(s.score.metrics for g in groups for s in g)
+        solved = sum(cfg.success(s.score) for g in groups for s in g)
         packed = pack(pairs, cfg.micro_tokens, where.world)
     ts = where.broadcast(packed.tensors() if packed else None, Packed.dtypes())
     packed = Packed.from_tensors(ts)
@@ -187,7 +192,7 @@ def train_step(
     if not where.leader:
         return None
     samples = [s for s, _ in pairs]
-    return _metrics(rewards, skipped, samples, sums, rows, grad_norm, packed, env_means)
+    return _metrics(rewards, solved, skipped, samples, sums, rows, grad_norm, packed, env_means)
 
 
 MAX_ENV_METRICS = 32  # a row carries at most this many of the environment's metrics
@@ -210,7 +215,15 @@ def env_metric_means(episodes) -> dict[str, float]:
 
 
 def _metrics(
-    rewards, skipped, samples, sums, rows, grad_norm, packed: Packed, env_means: dict[str, float]
+    rewards,
+    solved: int,
+    skipped,
+    samples,
+    sums,
+    rows,
+    grad_norm,
+    packed: Packed,
+    env_means: dict[str, float],
 ) -> StepFigures:
     tokens, kept = int(sums[TOKENS]), int(sums[KEPT])
     per_worker: dict[str, dict[str, float]] = {}
@@ -220,7 +233,7 @@ def _metrics(
     return StepFigures(
         loss=float(sums[LOSS]) / kept if kept else 0.0,
         reward_mean=sum(all_rewards) / max(1, len(all_rewards)),
-        pass_rate=sum(r > 0 for r in all_rewards) / max(1, len(all_rewards)),
+        pass_rate=solved / max(1, len(all_rewards)),
         groups=len(rewards),
         groups_skipped=skipped,
         episodes=len(all_rewards),

@@ -27,13 +27,14 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from colonnade.background import Background
 from colonnade.config import TrainerConfig
-from colonnade.envs import load_environment, metrics_of
+from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_texts_of
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
@@ -136,7 +137,8 @@ class Trainer:
         self.instance = uuid.uuid4().hex[:8]
         self.env = load_environment(cfg.env, **cfg.env_kwargs)
         torch.manual_seed(cfg.seed)
-        self.model_dir = local_model_dir(resolve_model(cfg.model, self.env.tokenizer_texts()))
+        texts = partial(tokenizer_texts_of, self.env)  # read only by the tiny preset
+        self.model_dir = local_model_dir(resolve_model(cfg.model, texts))
         self.store = store or open_store(
             cfg.store, endpoint_url=cfg.endpoint_url, multipart_bytes=cfg.multipart_mb << 20
         )
@@ -161,6 +163,7 @@ class Trainer:
             micro_tokens=cfg.micro_tokens,
             max_grad_norm=cfg.max_grad_norm,
             gate=GateConfig(cfg.delta_low, cfg.delta_high, cfg.ratio_clip),
+            success=success_of(self.env),
         )
         self.version: int | None = None  # of the weights the policy holds
         self.background = Background()

@@ -18,11 +18,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from colonnade.envs import Demonstrating, Practising, load_environment
+from colonnade.envs import Demonstrating, Practising, load_environment, tokenizer_texts_of
 from colonnade.model import load_model, resolve_model
 from colonnade.model.loading import READY, build_once, cache_root
 
@@ -117,7 +118,7 @@ def warmstart(
     env = load_environment(cfg.env, **cfg.env_kwargs)
     if not isinstance(env, Demonstrating):  # before building anything
         raise TypeError(f"environment {env.name!r} has no demonstration() for a warm start")
-    base = resolve_model(cfg.model, env.tokenizer_texts())
+    base = resolve_model(cfg.model, partial(tokenizer_texts_of, env))
     target = Path(out) if out else default_dir(cfg, base)
     key = cfg.key(base)
     ready = target / READY
@@ -179,7 +180,7 @@ def _stages(cfg: WarmstartConfig, env, demo_env, tok):
     """
     drill, skill = cfg.drill_steps, round(cfg.steps * cfg.skill_fraction)
     if drill:
-        exercises = copy_drill(tok, demo_env.tokenizer_texts(), drill * DRILL_BATCH, cfg.seed)
+        exercises = copy_drill(tok, tokenizer_texts_of(demo_env), drill * DRILL_BATCH, cfg.seed)
         yield exercises, drill, DRILL_BATCH, DRILL_LR, 0
     stages = ((1.0, skill, 0, cfg.lr), (cfg.good_fraction, cfg.steps - skill, skill, cfg.mix_lr))
     for fraction, steps, done, lr in stages:
