@@ -47,6 +47,16 @@ BENCHES = {
         "2 against max_lag 0, the trainer's wait fraction, and episodes/s with 1 and 2 "
         "workers.",
     ),
+    "fleet": (
+        "the store protocol with a simulated fleet on a simulated WAN (issue 21)",
+        "The real trainer (tiny model, smoke env) and simulated workers that are real protocol "
+        "clients (they follow patches, pace or claim work, upload signed batches; generation is "
+        "a cheap policy), each behind a store view that counts requests by verb and adds latency "
+        "and a per-worker bandwidth; churn replaces workers as versions go. Per version and in "
+        "total: requests and bytes per worker, anchor downloads by followers, waste, the "
+        "trainer's wait, objects and bytes in the store; a joiner's catch-up; the same run with "
+        "--baseline-workers for the wait side by side; dollars per 1,000 versions on R2 and S3.",
+    ),
 }
 
 
