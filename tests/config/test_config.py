@@ -85,7 +85,7 @@ def test_presets_hold_only_real_settings():
         load_config(TrainerConfig, base=preset)  # unknown keys or bad ranges would raise
     for name, preset in RUN_PRESETS.items():
         table = dict(preset.get("trainer", {}))
-        assert table.pop("preset", None) in TRAINER_PRESETS, name
+        assert table.pop("preset", None) in (None, *TRAINER_PRESETS), name
         load_config(RunConfig, base={k: v for k, v in preset.items() if k != "trainer"})
 
 
@@ -104,3 +104,24 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(capsys):
     assert main(["config", "show", "--trainer.max-grad-norm", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max_grad_norm > 0" in err[0]
+
+
+def test_a_custom_environment_gets_neutral_settings_not_searchqas():
+    from colonnade.launch import resolve_run_config, role_configs
+
+    cfg = resolve_run_config(env="rg:basic_arithmetic", eval_n=0)
+    trainer, _ = role_configs(cfg)
+    assert cfg.preset == "custom" and trainer.env == "rg:basic_arithmetic"
+    neutral = TrainerConfig()
+    assert (trainer.lr, trainer.max_turn_tokens) == (neutral.lr, neutral.max_turn_tokens)
+    assert resolve_run_config(env="searchqa").preset == "demo"  # made for it
+    assert resolve_run_config(env="smoke").preset == "smoke"
+    assert resolve_run_config().preset == "demo"  # nothing said: the default
+
+
+def test_the_smol_preset_is_smollm2_on_searchqa():
+    from colonnade.launch import resolve_run_config, role_configs
+
+    trainer, _ = role_configs(resolve_run_config("smol"))
+    assert (trainer.model, trainer.env) == ("smollm2-135m", "searchqa")
+    assert trainer.max_episode_tokens == TRAINER_PRESETS["searchqa"]["max_episode_tokens"]

