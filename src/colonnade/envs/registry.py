@@ -10,6 +10,7 @@ from .base import Environment
 
 BUILTINS = {
     "searchqa": "colonnade.envs.searchqa",
+    "searchqa2": "colonnade.envs.searchqa.multihop",  # two-hop questions (hops=2)
     "smoke": "colonnade.envs.smoke",
 }
 # `prefix:rest` names a family: the module's load_environment(rest, **kwargs).
@@ -19,7 +20,7 @@ PREFIXES = {
 
 
 def load_environment(name: str, **kwargs) -> Environment:
-    """`searchqa`, `smoke`, `rg:<dataset>`, or a module path such as `my_pkg.my_env`.
+    """`searchqa`, `searchqa2`, `smoke`, `rg:<dataset>`, or a module path such as `my_pkg.my_env`.
 
     The module must expose `load_environment(**kwargs)`; the object it returns
     is checked against the `Environment` interface. `kwargs` are checked as

@@ -1,4 +1,4 @@
-"""The built-in `searchqa` environment (see env.py)."""
+"""The built-in `searchqa` environment (see env.py); `searchqa2` is its two-hop form."""
 
 from .env import SearchQA
 
@@ -9,9 +9,13 @@ def load_environment(
     top_k: int = 3,
     max_turns: int = 3,
     seed: int = 0,
+    hops: int = 1,
 ) -> SearchQA:
-    """600 clusters give 3,600 documents, 1,920 train and 480 test questions."""
-    return SearchQA(n_clusters, test_fraction, top_k, max_turns, seed)
+    """600 clusters give 3,600 documents, 1,920 train and 480 test questions.
+
+    `hops=2`: two-hop questions (as many), over 6,000 documents with the decoys.
+    """
+    return SearchQA(n_clusters, test_fraction, top_k, max_turns, seed, hops=hops)
 
 
 __all__ = ["SearchQA", "load_environment"]

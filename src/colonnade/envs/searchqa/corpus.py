@@ -7,11 +7,22 @@ of letters and syllables, so many are look-alikes (KVR12 / KVR21, velorin /
 velorine), and every gene also appears in distractor documents that hold no
 answer. Questions are split by cluster, so no test answer is an answer, or
 even an entity, of any training question.
+
+With `hops=2` every question goes through a bridge entity ("Which disease is
+treated with the drug that inhibits velorin?": velorin -> its drug -> the
+disease). Facts only link neighbours in the chain gene - protein - drug -
+disease, so no document names both the question's entity and its answer: the
+first search can only reveal the bridge. Each cluster also gets decoy
+documents that put the question's entity next to a look-alike of the answer
+(kavenib for kavemab), so answering from the first search is confidently
+wrong. Decoys are never an answer.
 """
 
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..base import Task
@@ -51,6 +62,11 @@ GENE_LETTERS = "BCDKLMRSTVX"
 TISSUES = ("liver", "kidney", "retina", "spleen", "lung", "heart", "skin", "pancreas", "thymus")
 DRUG_SUFFIXES = ("mab", "nib", "zole", "pril", "statin", "cillin")
 DISEASE_FORMS = ("{}osis", "{}itis", "{} syndrome", "{} fever")
+PROTEIN_ENDINGS = ("in", "ine", "ase")
+HOPS = (1, 2)
+# Draws of a fresh decoy name before giving up: the name space is finite
+# (2,523 proteins), and a corpus near its size would otherwise never finish.
+DECOY_DRAWS = 10_000
 FILLER = (
     "The finding was replicated in an independent cohort.",
     "Expression levels varied with age and sex.",
@@ -78,7 +94,7 @@ def _word(rng: random.Random, n: int) -> str:
 
 def _cluster(rng: random.Random) -> Cluster:
     gene = "".join(rng.choice(GENE_LETTERS) for _ in range(3)) + str(rng.randint(1, 40))
-    protein = _word(rng, 2) + rng.choice(("in", "ine", "ase"))
+    protein = _word(rng, 2) + rng.choice(PROTEIN_ENDINGS)
     stem = _word(rng, 2)
     form = rng.choice(DISEASE_FORMS)
     disease = form.format(stem)
@@ -163,6 +179,134 @@ def questions(c: Cluster, index: int) -> list[Task]:
 
 
 @dataclass(frozen=True)
+class Decoys:
+    """A cluster's look-alike names for multi-hop decoys; none is any task's answer."""
+
+    gene: str
+    protein: str
+    drug: str
+    disease: str
+
+    def names(self) -> set[str]:
+        return {self.gene.lower(), self.protein, self.drug, self.disease}
+
+
+def _swap_ending(name: str, endings: Sequence[str], rng: random.Random) -> str:
+    """`name` with its ending replaced by another of `endings` (kavemab -> kavenib)."""
+    ending = next(e for e in endings if name.endswith(e))
+    return name[: len(name) - len(ending)] + rng.choice([e for e in endings if e != ending])
+
+
+def _decoy_candidates(c: Cluster, rng: random.Random) -> Decoys:
+    """Look-alikes first; the gene's letters rotated (KVR12 -> VRK12)."""
+    letters, number = c.gene[:3], c.gene[3:]
+    forms = [f.format("") for f in DISEASE_FORMS]
+    stem = c.disease.removesuffix(next(f for f in forms if c.disease.endswith(f)))
+    return Decoys(
+        gene=letters[1:] + letters[0] + number,
+        protein=_swap_ending(c.protein, PROTEIN_ENDINGS, rng),
+        drug=_swap_ending(c.drug, DRUG_SUFFIXES, rng),
+        # One word (velosis for velo fever): a decoy sharing the word "velo"
+        # with the disease would be found by a search for the disease, and
+        # its document names the protein that answers that question.
+        disease=stem + rng.choice([f for f in ("osis", "itis") if not c.disease.endswith(f)]),
+    )
+
+
+def _fresh(kind: str, rng: random.Random) -> str:
+    """A new name of `kind`'s shape, for when the look-alike is taken."""
+    if kind == "gene":
+        return "".join(rng.choice(GENE_LETTERS) for _ in range(3)) + str(rng.randint(1, 40))
+    if kind == "protein":
+        return _word(rng, 2) + rng.choice(PROTEIN_ENDINGS)
+    if kind == "drug":
+        return _word(rng, 2) + rng.choice(DRUG_SUFFIXES)
+    return rng.choice(DISEASE_FORMS).format(_word(rng, 2))
+
+
+def make_decoys(clusters: Sequence[Cluster], seed: int, taken: frozenset[str]) -> list[Decoys]:
+    """One set of decoys per cluster, no name among `taken` (lowercase) or another decoy.
+
+    Equal names are what must never meet: a decoy equal to some task's answer
+    would make the decoy document an answer document.
+    """
+    rng = random.Random(f"searchqa-decoys-{seed}")
+    used, out = set(taken), []
+    for c in clusters:
+        picked = {}
+        for kind, name in vars(_decoy_candidates(c, rng)).items():
+            for _ in range(DECOY_DRAWS):
+                if name.lower() not in used:
+                    break
+                name = _fresh(kind, rng)
+            else:
+                raise ValueError(f"no free {kind} name for a decoy: use fewer clusters")
+            used.add(name.lower())
+            picked[kind] = name
+        out.append(Decoys(**picked))
+    return out
+
+
+def decoy_documents(c: Cluster, d: Decoys, rng: random.Random) -> list[str]:
+    """Documents that name each multi-hop question's entity beside a look-alike of
+    its answer, in the question's own words, so the first search ranks them high."""
+    f = lambda: rng.choice(FILLER)  # noqa: E731
+    return [
+        f"The drug {d.drug} left the protein of the gene {c.gene} unchanged. {f()}",
+        f"{c.protein.capitalize()} levels were normal in the disease {d.disease}, "
+        f"and no drug changed them. {f()}",
+        f"{c.drug.capitalize()} did not change the expression of the gene {d.gene}. {f()}",
+        f"In {c.disease}, the protein {d.protein} was not inhibited by any drug. {f()}",
+    ]
+
+
+def multihop_questions(c: Cluster, d: Decoys, index: int) -> list[Task]:
+    """The cluster's four two-hop questions.
+
+    info: `subject` (the entity the question names), `bridge` (the entity the
+    first search reveals), `then` (the question to ask about the bridge,
+    less the bridge: `f"{then} {bridge}?"`) and `decoy` (the look-alike).
+    Each question opens with its `then`, so the second query is a copy.
+    """
+    info = {"cluster": str(index), "gene": c.gene}
+    # The first search must rank the bridge's document in the top k: the
+    # questions use its words ("encodes" rather than "encoded": no stemming).
+    rows = [
+        ("drug", "Which drug inhibits", f"the protein that the gene {c.gene} encodes", c.gene,
+         c.protein, (c.drug,), d.drug),
+        ("disease", "Which disease is treated with", f"the drug that inhibits {c.protein}",
+         c.protein, c.drug, (c.disease, c.disease_alias), d.disease),
+        ("gene", "Which gene encodes", f"the protein inhibited by {c.drug}", c.drug, c.protein,
+         (c.gene,), d.gene),
+        ("protein", "Which protein is inhibited by", f"the drug used to treat {c.disease}",
+         c.disease, c.drug, (c.protein, c.protein_alias), d.protein),
+    ]  # fmt: skip
+    return [
+        Task(
+            f"q{index}-{kind}2",
+            f"{then} {path}?",
+            tuple(dict.fromkeys(answers)),
+            {
+                **info,
+                "relation": f"{kind}2",
+                "subject": subject,
+                "bridge": bridge,
+                "then": then,
+                "decoy": decoy,
+            },
+        )
+        for kind, then, path, subject, bridge, answers, decoy in rows
+    ]
+
+
+def find_name(text: str, name: str) -> str | None:
+    """`name` as `text` spells it, where it occurs as whole words (KVR1 is not
+    in KVR12, velorin not in velorine), ignoring case; None if it does not."""
+    found = re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text, flags=re.IGNORECASE)
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
 class Corpus:
     docs: list[str]
     train: list[Task]
@@ -175,19 +319,34 @@ def build_corpus(
     test_fraction: float = 0.2,
     seed: int = 0,
     exclude: frozenset[str] = frozenset(),
+    hops: int = 1,
 ) -> Corpus:
-    """Documents (shuffled) and questions split by cluster; no name in `exclude`."""
+    """Documents (shuffled) and questions split by cluster; no name in `exclude`.
+
+    `hops=2`: the two-hop questions, over the same fact documents plus decoys.
+    """
     if n_clusters < 2 or not 0 < test_fraction < 1:
         raise ValueError("need at least 2 clusters and 0 < test_fraction < 1")
+    if hops not in HOPS:
+        raise ValueError(f"hops must be one of {HOPS}, not {hops!r}")
     rng = random.Random(seed + 1)
     clusters = make_clusters(n_clusters, seed, exclude)
     docs = [d for c in clusters for d in documents(c, rng)]
+    names = frozenset(n for c in clusters for n in cluster_names(c))
+    ask = questions
+    if hops == 2:
+        decoys = make_decoys(clusters, seed, names | exclude)
+        drng = random.Random(f"searchqa-decoy-docs-{seed}")
+        docs += [
+            x for c, d in zip(clusters, decoys, strict=True) for x in decoy_documents(c, d, drng)
+        ]
+        names = names.union(*(d.names() for d in decoys))
+        ask = lambda c, i: multihop_questions(c, decoys[i], i)  # noqa: E731
     rng.shuffle(docs)
     order = list(range(n_clusters))
     rng.shuffle(order)
     n_test = max(1, round(n_clusters * test_fraction))
     test_ids = set(order[:n_test])
-    train = [t for i, c in enumerate(clusters) if i not in test_ids for t in questions(c, i)]
-    test = [t for i, c in enumerate(clusters) if i in test_ids for t in questions(c, i)]
-    names = frozenset(n for c in clusters for n in cluster_names(c))
+    train = [t for i, c in enumerate(clusters) if i not in test_ids for t in ask(c, i)]
+    test = [t for i, c in enumerate(clusters) if i in test_ids for t in ask(c, i)]
     return Corpus(docs, train, test, names)

@@ -6,6 +6,11 @@ top-k documents in `<information>…</information>`; the model ends with
 normalization against the answer and its synonyms. A turn with neither tag,
 or a search beyond the turn limit, ends the episode (reward 0): malformed
 output never raises.
+
+`hops=2` (the built-in `searchqa2`) asks two-hop questions over the same
+kind of corpus (corpus.py): the first search reveals a bridge entity and a
+decoy, the second, about the bridge, the answer. Same format, reward and
+metrics; three turns at least.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import ClassVar
 
 from ..answers import exact_match, last_tag, normalize
 from ..base import Metric, Score, Task, check_split
-from .corpus import build_corpus
+from .corpus import build_corpus, find_name
 from .search import BM25Index
 
 SYSTEM = (
@@ -25,6 +30,8 @@ SYSTEM = (
     "<search>query</search>; results come back in <information>...</information>. "
     "Finish with <answer>short answer</answer>."
 )
+# A two-hop answer needs a second search; saying so costs the prompt 7 tokens.
+MULTIHOP_HINT = " You may search more than once."
 
 
 class SearchQA:
@@ -60,11 +67,20 @@ class SearchQA:
         max_turns: int,
         seed: int,
         exclude: frozenset[str] = frozenset(),
+        hops: int = 1,
     ):
         if top_k < 1 or max_turns < 1:
             raise ValueError("top_k and max_turns must be at least 1")
+        if hops > 1 and max_turns < hops + 1:
+            raise ValueError(
+                f"hops={hops} needs max_turns >= {hops + 1} (a search a hop, an answer)"
+            )
+        self.hops = hops
+        if hops > 1:
+            self.name = f"searchqa{hops}"
+        self.system = SYSTEM if hops == 1 else SYSTEM + MULTIHOP_HINT
         self._corpus_shape = (n_clusters, test_fraction)
-        self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude)
+        self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude, hops)
         self.index = BM25Index(self.corpus.docs)
         self.top_k, self.max_turns = top_k, max_turns
         self._by_id = {t.id: t for t in (*self.corpus.train, *self.corpus.test)}
@@ -79,7 +95,12 @@ class SearchQA:
         RL learns carries over to the test split.
         """
         return SearchQA(
-            *self._corpus_shape, self.top_k, self.max_turns, seed, exclude=self.corpus.names
+            *self._corpus_shape,
+            self.top_k,
+            self.max_turns,
+            seed,
+            exclude=self.corpus.names,
+            hops=self.hops,
         )
 
     def tasks(self, split: str) -> Sequence[Task]:
@@ -89,7 +110,10 @@ class SearchQA:
         return self._by_id[task_id]
 
     def prompt(self, task: Task) -> list[dict[str, str]]:
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
+        return [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": task.question},
+        ]
 
     def _search_uncached(self, query: str) -> tuple[str, ...]:
         return tuple(self.index.search(query, self.top_k))
@@ -137,6 +161,7 @@ class SearchQA:
         """Good: search with the question, answer from the top document that
         holds an answer. Poor: answer at once with the entity the question
         names (the gene asked about, say): confident and always wrong.
+        Two-hop questions: `_two_hop_demo`.
 
         The poor answer is a copy from the prompt, as the good one is a copy
         from the information. An earlier poor demo answered with another
@@ -144,6 +169,8 @@ class SearchQA:
         where it should copy, and the share of searches that ended in a right
         answer fell from 0.72 to 0.56 (docs/benchmarks.md).
         """
+        if self.hops > 1:
+            return self._two_hop_demo(task, good)
         if good:
             for doc in self._search(task.question):
                 for answer in task.answers:
@@ -155,7 +182,34 @@ class SearchQA:
                         return [f"<search>{task.question}</search>", f"<answer> {span}</answer>"]
         return [f"<answer> {task.info['subject']}</answer>"]
 
+    def _two_hop_demo(self, task: Task, good: bool) -> list[str]:
+        """Good: search with the question, then with its `then` and the bridge as
+        the results spell it, and answer from the second results. Poor: the naive
+        episode: one search, then the decoy (a look-alike of the answer) copied
+        from its results. Either falls back to answering with the question's
+        entity when the results lack what it copies.
+        """
+        first = self._search(task.question)
+        turns = [f"<search>{task.question}</search>"]
+        bridge = _span(first, (task.info["bridge"],))
+        if good and bridge is not None:
+            second = self.second_query(task, bridge)
+            answer = _span(self._search(second), task.answers)
+            if answer is not None:
+                return [*turns, f"<search>{second}</search>", f"<answer> {answer}</answer>"]
+        decoy = _span(first, (task.info["decoy"],))
+        if not good and decoy is not None:
+            return [*turns, f"<answer> {decoy}</answer>"]
+        return [f"<answer> {task.info['subject']}</answer>"]
+
+    @staticmethod
+    def second_query(task: Task, bridge: str) -> str:
+        """The question about the bridge that a two-hop question opens with."""
+        return f"{task.info['then']} {bridge}?"
+
     def tokenizer_texts(self) -> list[str]:
+        if self.hops > 1:
+            return self._multihop_texts()
         tasks = [*self.corpus.train, *self.corpus.test]
         # Tool replies too, so the tags and "Doc n:" become single tokens.
         replies = [self.information(t.question) for t in self.corpus.train[::4]]
@@ -167,3 +221,24 @@ class SearchQA:
             *(t.question for t in tasks),
             *replies,
         ] + [f"<search>{t.question}</search><answer> {t.answers[0]}</answer>" for t in tasks]
+
+    def _multihop_texts(self) -> list[str]:
+        """As for one hop, with both searches of an episode and their replies."""
+        tasks = [*self.corpus.train, *self.corpus.test]
+        seconds = [self.second_query(t, t.info["bridge"]) for t in tasks]
+        replies = [self.information(t.question) for t in self.corpus.train[::8]]
+        replies += [self.information(q) for q in seconds[::8]]
+        demos = [
+            f"<search>{t.question}</search><search>{q}</search><answer> {t.answers[0]}</answer>"
+            for t, q in zip(tasks, seconds, strict=True)
+        ]
+        return [*[self.system] * len(tasks), *self.corpus.docs, *replies, *demos]
+
+
+def _span(docs: Sequence[str], names: Sequence[str]) -> str | None:
+    """The first of `names` in `docs`, as the document spells it (a copy, not a recall)."""
+    for doc in docs:
+        for name in names:
+            if (found := find_name(doc, name)) is not None:
+                return found
+    return None
