@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from ..answers import exact_match, last_tag, normalize
 from ..base import Metric, Score, Task, check_split
-from .corpus import build_corpus, find_name
+from .corpus import HOPS, build_corpus, find_name
 from .search import BM25Index
 
 SYSTEM = (
@@ -71,6 +71,8 @@ class SearchQA:
     ):
         if top_k < 1 or max_turns < 1:
             raise ValueError("top_k and max_turns must be at least 1")
+        if hops not in HOPS:
+            raise ValueError(f"hops must be one of {HOPS}, not {hops!r}")
         if hops > 1 and max_turns < hops + 1:
             raise ValueError(
                 f"hops={hops} needs max_turns >= {hops + 1} (a search a hop, an answer)"
