@@ -136,7 +136,7 @@ def run_eval(
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
     from colonnade.rollout import load_engine
-    from colonnade.rollout.evaluate import episodes, summarize
+    from colonnade.rollout.evaluate import episodes, sample_of, summarize
 
     env = load_environment(env_name, **(env_kwargs or {}))
     tasks = list(env.tasks(split))[:n]
@@ -168,7 +168,8 @@ def run_eval(
             if name == "sampled":
                 out.update(figures)
                 if show:
-                    out["samples"] = [_sample(runner.tokenizer, r, env) for r in results[:show]]
+                    rule = success_of(env)
+                    out["samples"] = [sample_of(runner.tokenizer, r, rule) for r in results[:show]]
             else:
                 out["greedy"] = figures
     out["temperature"] = params.temperature
@@ -177,20 +178,6 @@ def run_eval(
         "max_episode_tokens": params.max_episode_tokens,
     }
     return out
-
-
-def _sample(tokenizer, result, env) -> dict:
-    from colonnade.envs import success_of
-
-    ep = result.episode
-    return {
-        "task": result.task.id,
-        "question": result.task.question,
-        "completion": tokenizer.decode(ep.tokens, skip_special_tokens=True),
-        "reward": result.score.reward,
-        "solved": bool(success_of(env)(result.score)),
-        "finish": ep.finish,
-    }
 
 
 def _run_settings(args: argparse.Namespace):

@@ -54,9 +54,10 @@ def run_eval(
     params: SamplingParams,
     batch_size: int,
     progress: Progress | None = None,
+    show: int = 0,
 ) -> dict:
     tasks = list(env.tasks("test"))[:n]
-    figures = evaluate(engine, env, tasks, params, batch_size, seed=0, progress=progress)
+    figures = evaluate(engine, env, tasks, params, batch_size, seed=0, progress=progress, show=show)
     figures["temperature"] = params.temperature
     return figures
 

@@ -36,6 +36,7 @@ from .live import ALIVE_SECONDS, log_line, render, snapshot
 from .processes import Child, EarlyStop, spawn, stop_all, terminate_as_interrupt, wait_exit
 
 log = logging.getLogger("colonnade.run")
+SAMPLES_SHOWN = 3  # episodes of each held-out eval kept for the report
 
 
 class RunFailed(RuntimeError):
@@ -86,6 +87,7 @@ def _eval(
             eval_sampling(cfg),
             cfg.eval_batch,
             lambda k, _t, passed: bar.update(k, f"pass@1 {passed:.3f}"),
+            show=SAMPLES_SHOWN,
         )
     figures["version"] = engine.version
     store.put(keys.EVAL[which], json.dumps(figures).encode())
@@ -211,6 +213,7 @@ def launch(cfg: RunConfig, console: Console | None = None) -> dict:
         "status": "running",
         "out": str(out),
         "max_minutes": cfg.max_minutes,
+        "config": effective_tables(cfg),  # the report shows the settings it ran with
     }
     with terminate_as_interrupt():
         _supervise(cfg, trainer_cfg, store, facts, started, console, EarlyStop(cfg.max_minutes))

@@ -192,7 +192,9 @@ def build_report(store: ObjectStore) -> dict:
             "patch_bytes_median": statistics.median(patches) if patches else None,
             "patches": len(patches),
             "anchors": sum(v["kind"] == "full" for v in versions),
+            "worker_bytes_total": sum(w["sync_bytes"] for w in workers.values()),
         },
+        "config": launch.get("config") or _spec_settings(spec),
         "staleness": {str(k): n for k, n in sorted(staleness.items())},
         "wall_s": wall,
         "trainer_wait_fraction": _share([r.wait_seconds for r in rows], step_s),
@@ -205,6 +207,15 @@ def build_report(store: ObjectStore) -> dict:
         "series": _series(rows, t0),
         "versions": versions,
     }
+
+
+def _spec_settings(spec: RunSpec | None) -> dict:
+    """What run.json says of the settings, for a run no launcher started
+    (the launcher records every role's settings in full)."""
+    if spec is None:
+        return {}
+    keep = ("env", "env_kwargs", "precision", "group_size", "groups_per_batch", "max_lag")
+    return {"run.json": {k: getattr(spec, k) for k in keep} | {"sampling": spec.sampling}}
 
 
 def _waste(workers: dict, rows: list[TrainerRow], spec) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 
 import matplotlib
 
@@ -106,6 +107,41 @@ def _eval_table(ev: dict) -> str:
     return f"<table><tr><th></th>{head}</tr>{rows}</table>{note}"
 
 
+# The settings a reader looks for first; the full tables follow them.
+KEY_SETTINGS = ("env_kwargs", "lr", "group_size", "groups_per_step", "max_lag", "max_versions")
+
+
+def _settings(config: dict) -> str:
+    """The run's settings: the key ones in a table, then every table in full."""
+    if not config:
+        return "<p>No settings recorded.</p>"
+    trainer = config.get("trainer") or config.get("run.json") or {}
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(trainer[k]))}</td></tr>"
+        for k in KEY_SETTINGS
+        if k in trainer
+    )
+    full = html.escape(json.dumps(config, indent=1, sort_keys=True))
+    return (
+        f"<table>{rows}</table><details><summary>all settings</summary><pre>{full}</pre></details>"
+    )
+
+
+def _samples(ev: dict) -> str:
+    """Sampled held-out episodes of the last evaluation (after, else before)."""
+    which = "after" if (ev.get("after") or {}).get("samples") else "before"
+    samples = (ev.get(which) or {}).get("samples") or []
+    if not samples:
+        return "<p>No sampled episodes recorded.</p>"
+    items = "".join(
+        f"<h4>{html.escape(str(x['task']))}: reward {x['reward']:g}, "
+        f"{'solved' if x['solved'] else 'not solved'} ({html.escape(str(x['finish']))})</h4>"
+        f"<p>{html.escape(str(x['question']))}</p><pre>{html.escape(str(x['completion']))}</pre>"
+        for x in samples
+    )
+    return f"<p>From the held-out evaluation {which} training.</p>{items}"
+
+
 def render_html(report: dict) -> str:
     """The page for a report dict from `build_report`."""
     s = report["series"]
@@ -140,6 +176,9 @@ def render_html(report: dict) -> str:
     headline["gate masked fraction"] = report["gate"]["masked_fraction"]
     headline["full bytes"] = report["sync"]["full_bytes"]
     headline["patch bytes (median)"] = report["sync"]["patch_bytes_median"]
+    headline["weight bytes synced (all workers)"] = report["sync"].get("worker_bytes_total")
+    headline["rollouts unused"] = report.get("rollouts_unused")
+    headline["waste fraction"] = report.get("waste_fraction")
     facts = "".join(
         f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
         for k, v in headline.items()
@@ -154,5 +193,7 @@ def render_html(report: dict) -> str:
         "td,th{padding:2px 10px;text-align:left}</style></head><body>"
         f"<h1>colonnade run {html.escape(str(report['run_id']))}</h1>"
         f"<h2>Held-out evaluation</h2>{_eval_table(report['eval'])}"
-        f"<h2>Run</h2><table>{facts}</table>{imgs}</body></html>"
+        f"<h2>Run</h2><table>{facts}</table>"
+        f"<h2>Settings</h2>{_settings(report.get('config') or {})}"
+        f"<h2>Sample completions</h2>{_samples(report['eval'])}{imgs}</body></html>"
     )

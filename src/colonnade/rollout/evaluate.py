@@ -95,10 +95,29 @@ def evaluate(
     seed: int = 0,
     progress: Progress | None = None,
     k: int = 1,
+    show: int = 0,
 ) -> dict:
-    """The figures of k episodes of every task (`episodes`, `summarize`)."""
+    """The figures of k episodes of every task (`episodes`, `summarize`); with
+    `show`, the first `show` episodes as `samples` (`sample_of`)."""
     results = episodes(engine, env, tasks, params, batch_size, seed, progress, k)
-    return summarize(results, success_of(env), k, metrics_of(env))
+    rule = success_of(env)
+    figures = summarize(results, rule, k, metrics_of(env))
+    if show:
+        figures["samples"] = [sample_of(engine.tokenizer, r, rule) for r in results[:show]]
+    return figures
+
+
+def sample_of(tokenizer, result: Result, success: Success) -> dict:
+    """One episode as people read it (eval --show, the run's report)."""
+    ep = result.episode
+    return {
+        "task": result.task.id,
+        "question": result.task.question,
+        "completion": tokenizer.decode(ep.tokens, skip_special_tokens=True),
+        "reward": result.score.reward,
+        "solved": bool(success(result.score)),
+        "finish": ep.finish,
+    }
 
 
 def figures_line(figs: dict) -> str:
