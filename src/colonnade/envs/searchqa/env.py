@@ -30,7 +30,7 @@ SYSTEM = (
     "<search>query</search>; results come back in <information>...</information>. "
     "Finish with <answer>short answer</answer>."
 )
-# A two-hop answer needs a second search; saying so costs the prompt 7 tokens.
+# A two-hop answer needs a second search: the prompt says one is allowed.
 MULTIHOP_HINT = " You may search more than once."
 
 
@@ -228,6 +228,7 @@ class SearchQA:
         """As for one hop, with both searches of an episode and their replies."""
         tasks = [*self.corpus.train, *self.corpus.test]
         seconds = [self.second_query(t, t.info["bridge"]) for t in tasks]
+        # Two replies an episode, each kind at half searchqa's rate: as many in all.
         replies = [self.information(t.question) for t in self.corpus.train[::8]]
         replies += [self.information(q) for q in seconds[::8]]
         demos = [
