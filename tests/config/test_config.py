@@ -91,13 +91,13 @@ def test_presets_hold_only_real_settings():
 
 def test_run_takes_any_trainer_and_worker_setting_as_a_flag(capsys):
     argv = ["config", "show", "--preset", "smoke", "--trainer.max-grad-norm", "0.25",
-            "--trainer.no-resume", "--worker.pace-seconds", "0", "--max-lag", "3"]  # fmt: skip
+            "--trainer.no-resume", "--worker.poll-seconds", "0.5", "--max-lag", "3"]  # fmt: skip
     assert main(argv) == 0
     shown = tomllib.loads(capsys.readouterr().out)
     assert shown["trainer"]["max_grad_norm"] == 0.25 and shown["trainer"]["resume"] is False
     assert shown["trainer"]["max_lag"] == 3
     assert shown["trainer"]["lr"] == RUN_PRESETS["smoke"]["trainer"]["lr"]  # the preset stands
-    assert shown["worker"]["pace_seconds"] == 0
+    assert shown["worker"]["poll_seconds"] == 0.5
 
 
 def test_a_bad_flag_value_is_one_line_and_exit_2(capsys):

@@ -1,4 +1,5 @@
-"""Worker pacing: no batches of a version beyond a step's worth of its groups."""
+"""Worker pacing by the trainer's demand: claim a slot of the running
+version, or wait, at the pace of the versions, for latest.json to change."""
 
 from types import SimpleNamespace
 
@@ -7,32 +8,28 @@ import pytest
 import colonnade.rollout.worker as worker_module
 from colonnade.config import WorkerConfig
 from colonnade.protocol import RunSpec, keys
-from colonnade.protocol.documents import Quarantine, QuarantineDecision
-from colonnade.protocol.polling import moving_gap, poll_interval
-from colonnade.protocol.schemas import Latest, VersionMeta, dumps
-from colonnade.rollout.worker import Quarantined, Worker, pace_quota
+from colonnade.protocol.documents import Claim, Quarantine, QuarantineDecision
+from colonnade.protocol.polling import idle_delay, moving_gap, poll_interval
+from colonnade.protocol.schemas import Demand, Latest, VersionMeta, dumps
+from colonnade.rollout.worker import CLAIM_TRIES, Quarantined, Worker
 from colonnade.store import LocalStore
 from colonnade.store.counting import Counting
 
 
-def _worker(tmp_path, pace_seconds=5.0, groups_per_step=4, max_lag=0):
+def _worker(tmp_path, running=3):
     store = LocalStore(tmp_path / "run")
-    w = Worker(WorkerConfig(id="w1", pace_seconds=pace_seconds, poll_seconds=0.1), store)
-    w.spec = RunSpec("r", "smoke", {}, [], 10, "int8", 4, 2, max_lag, 10, {},
-                     groups_per_step=groups_per_step)  # fmt: skip
-    w.follower = SimpleNamespace(version=3)
+    w = Worker(WorkerConfig(id="w1", poll_seconds=0.1), store)
+    w.spec = RunSpec("r", "smoke", {}, [], 10, "int8", 4, 2, 2, 10, {}, groups_per_step=4)
+    w.follower = SimpleNamespace(version=running)
     return w, store
 
 
-def _batch(store, v, worker, seq):
-    store.put(keys.rollout_key(v, worker, seq), b"x")
-
-
-def _publish(store, v):
+def _publish(store, v, slots=0, demand_version=None):
     h = "blake3:" + "0" * 64
     meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
+    demand = Demand(v if demand_version is None else demand_version, slots, max(0, v - 2), 60.0)
     store.put(keys.meta_key(v), meta.to_json())
-    store.put(keys.LATEST, Latest(v, meta).to_json())
+    store.put(keys.LATEST, Latest(v, meta, demand=demand).to_json())
 
 
 class Clock:
@@ -78,82 +75,6 @@ class PublishOnPoll(Counting):
         return super().get(key, max_bytes=max_bytes)
 
 
-def test_quota_counts_every_workers_batches_of_the_version(tmp_path):
-    w, store = _worker(tmp_path)
-    _batch(store, 2, "w2", 0)  # an older version does not count
-    _batch(store, 2, "w2", 1)
-    _batch(store, 3, "w1", 0)
-    assert not w.quota_full()  # 1 batch x 2 groups < 4
-    _batch(store, 3, "w2", 0)
-    assert w.quota_full()
-
-
-def test_with_stale_groups_usable_the_fleet_makes_two_steps_of_a_version(tmp_path):
-    assert (pace_quota(8, 0), pace_quota(8, 1), pace_quota(8, 2), pace_quota(0, 2)) == (
-        8,
-        16,
-        16,
-        0,
-    )
-    w, store = _worker(tmp_path, max_lag=2)
-    for seq in range(3):
-        _batch(store, 3, "w2", seq)
-    assert not w.quota_full()  # 3 batches x 2 groups < 2 x 4
-    _batch(store, 3, "w1", 0)
-    assert w.quota_full()
-
-
-def test_no_pacing_when_off_or_when_the_run_does_not_say_its_step(tmp_path):
-    for w, store in (_worker(tmp_path / "a", pace_seconds=0), _worker(tmp_path / "b", 5.0, 0)):
-        _batch(store, 3, "w1", 0)
-        _batch(store, 3, "w2", 0)
-        assert not w.quota_full()
-
-
-def test_a_paced_worker_moves_on_when_a_newer_version_appears(tmp_path, clock):
-    w, store = _worker(tmp_path, pace_seconds=30.0)
-    _publish(store, 3)
-    w.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
-    assert w.wait_for_newer()
-    assert polled.polls == 3 and w.pointer.version == 4  # it stopped at the poll that saw v4
-    # The wait is counted as paced time: three polls' worth.
-    assert len(clock.naps) == 3 and w.pending_time["paced_seconds"] == pytest.approx(clock.now)
-
-
-def test_a_paced_worker_gives_up_waiting_after_pace_seconds(tmp_path, clock):
-    w, store = _worker(tmp_path, pace_seconds=0.5)
-    _publish(store, 3)
-    assert not w.wait_for_newer()  # the quota's batches were refused: make one anyway
-    # It polled until pace_seconds had passed, and not one poll longer.
-    assert clock.now >= 0.5 and clock.now - clock.naps[-1] < 0.5
-    assert w.pending_time["paced_seconds"] == pytest.approx(clock.now)
-
-
-def test_a_stop_or_the_runs_end_ends_the_wait(tmp_path):
-    w, store = _worker(tmp_path, pace_seconds=30.0)
-    _publish(store, 3)
-    latest = Latest.from_json(store.get(keys.LATEST))
-    store.put(keys.LATEST, Latest(3, latest.meta, done=True).to_json())  # the run's end
-    assert w.wait_for_newer() and w.done()
-    store.put(keys.LATEST, latest.to_json())
-    w.stop.requested = True
-    assert w.wait_for_newer()
-
-
-def test_batches_of_quarantined_workers_fill_no_quota(tmp_path):
-    w, store = _worker(tmp_path)
-    _batch(store, 3, "liar", 0)
-    _batch(store, 3, "liar", 1)
-    store.put(
-        keys.QUARANTINE, Quarantine({"liar": QuarantineDecision("mismatch KL", 2, 1.0)}).to_json()
-    )
-    w.refused = w.read_quarantine()
-    assert w.refused == {"liar"} and not w.quota_full()
-    _batch(store, 3, "w2", 0)
-    _batch(store, 3, "w2", 1)
-    assert w.quota_full()
-
-
 def test_a_quarantined_worker_learns_it_and_says_why(tmp_path):
     w, store = _worker(tmp_path)
     assert w.read_quarantine() == set()  # no decisions yet
@@ -177,10 +98,94 @@ def test_polls_follow_the_time_between_versions():
     assert moving_gap(2.0, 1.0) == pytest.approx(1.8)
 
 
-def test_a_waiting_worker_makes_one_request_a_poll(tmp_path, clock):
-    w, store = _worker(tmp_path, pace_seconds=0.5)
-    _publish(store, 3)
+def test_a_worker_claims_a_slot_of_its_version_only(tmp_path):
+    w, store = _worker(tmp_path)
+    _publish(store, 3, slots=2, demand_version=4)  # slots of a version it does not run
+    w._poll()
+    assert not w.claim() and store.list(keys.CLAIMS) == []
+    _publish(store, 3, slots=2)
+    w._poll()
+    assert w.claim() and w.claim()  # one slot per batch
+    assert not w.claim()  # both taken: by this worker, as it happens
+    held = [Claim.from_json(store.get(k)) for k in store.list(keys.claims_dir(3))]
+    assert [c.worker for c in held] == ["w1", "w1"] and w.claims == 2
+
+
+def test_a_taken_slot_is_tried_once_and_a_look_costs_a_few_requests(tmp_path):
+    w, store = _worker(tmp_path)
+    _publish(store, 3, slots=6)
+    for slot in range(5):  # other workers were first to five of the six
+        store.put_if_absent(keys.claim_key(3, slot), Claim("other", 1.0).to_json())
+    w._poll()
     w.store = counting = Counting(store)
-    assert not w.wait_for_newer()
-    # latest.json once a nap, nothing else
-    assert dict(counting.counts) == {"get": len(clock.naps)} and len(clock.naps) >= 2
+    tries = 0
+    while not w.claim():
+        tries += 1
+    # At most CLAIM_TRIES put-if-absent a look, and never the same slot twice.
+    assert counting.counts["put_if_absent"] <= 6 and tries <= 6 // CLAIM_TRIES
+    assert set(counting.counts) == {"put_if_absent"}
+    assert not w.claim() and counting.counts["put_if_absent"] <= 6  # nothing left to try
+
+
+def test_an_idle_worker_moves_on_when_a_newer_version_appears(tmp_path, clock):
+    w, store = _worker(tmp_path)
+    _publish(store, 3)
+    w._poll()
+    w.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
+    w.wait_for_work()
+    assert polled.polls == 3 and w.pointer.version == 4  # it stopped at the poll that saw v4
+    # The wait is counted as paced time.
+    assert w.pending_time["paced_seconds"] == pytest.approx(clock.now)
+
+
+def test_new_slots_the_runs_end_or_a_stop_end_the_wait(tmp_path, clock):
+    w, store = _worker(tmp_path)
+    _publish(store, 3, slots=1)
+    w._poll()
+    _publish(store, 3, slots=3)  # a claim lapsed: more slots of the same version
+    w.wait_for_work()
+    assert w.pointer.demand.slots == 3
+    latest = Latest.from_json(store.get(keys.LATEST))
+    store.put(keys.LATEST, Latest(3, latest.meta, done=True).to_json())  # the run's end
+    w.wait_for_work()
+    assert w.done()
+    store.put(keys.LATEST, latest.to_json())
+    w.stop.requested = True
+    w.wait_for_work()  # returns at once
+
+
+class PublishAt(Counting):
+    """Counts requests; v4 is out from clock time `at` on."""
+
+    def __init__(self, inner, clock, at: float):
+        super().__init__(inner)
+        self.clock, self.at, self.polls = clock, at, 0
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        if key == keys.LATEST:
+            self.polls += 1
+            if self.clock.now >= self.at:
+                _publish(self.inner, 4)
+        return super().get(key, max_bytes=max_bytes)
+
+
+def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_path, clock):
+    for gap in (0.3, 60.0):
+        w, store = _worker(tmp_path / str(gap))
+        _publish(store, 3)
+        w._poll()
+        w.version_gap, w._synced_at = gap, clock.now  # it has just installed v3
+        w.store = polled = PublishAt(store, clock, at=clock.now + gap)  # v4 on time
+        w.wait_for_work()
+        # One look when the version is about due, then a tenth of the interval.
+        assert w.pointer.version == 4 and 2 <= polled.polls <= 3, (gap, polled.polls)
+        assert set(polled.counts) == {"get"}
+
+
+def test_idle_delays_follow_the_version_interval():
+    assert idle_delay(None, 0.0, 0, 1.0) == 0.05  # nothing seen yet: look soon...
+    assert idle_delay(None, 0.0, 3, 1.0) == 0.4  # ...then less often
+    assert idle_delay(None, 0.0, 10, 1.0) == 1.0  # up to poll_seconds
+    assert idle_delay(60.0, 0.0, 0, 1.0) == pytest.approx(48.0)  # asleep until about due
+    assert idle_delay(60.0, 50.0, 1, 1.0) == pytest.approx(6.0)  # then a tenth
+    assert idle_delay(0.1, 0.2, 1, 1.0) == 0.02  # never more than 50 a second

@@ -25,7 +25,7 @@ class Asked:
     def __init__(self, n: int):
         self.n, self.calls = n, 0
 
-    def __call__(self) -> bool:
+    def __call__(self, taken: int) -> bool:
         self.calls += 1
         return self.calls >= self.n
 
@@ -66,6 +66,9 @@ def test_take_order_newest_first_workers_in_turn():
     order = [keys.parse_rollout_key(k) for k in take_order(fresh)]
     assert order == [(3, "a", 0), (3, "b", 0), (3, "a", 1), (3, "a", 2), (2, "a", 0)]
     assert take_order({}) == [] and take_order({1: []}) == []
+    # The window's oldest version first: no later step could take it.
+    order = [keys.parse_rollout_key(k) for k in take_order(fresh, expiring=2)]
+    assert order == [(2, "a", 0), (3, "a", 0), (3, "b", 0), (3, "a", 1), (3, "a", 2)]
 
 
 def test_collector_stops_waiting_when_asked(tmp_path, monkeypatch):
@@ -99,5 +102,5 @@ def test_a_long_wait_of_fast_polls_keeps_polling(tmp_path, monkeypatch):
     c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
     c.version_gap = 0.05
     asks = iter(range(1, 3000))
-    got = c.collect(0, need=2, stop=lambda: next(asks) >= 2000)
+    got = c.collect(0, need=2, stop=lambda taken: next(asks) >= 2000)
     assert got.groups == [] and len(naps) == 1999 and max(naps) <= 0.02

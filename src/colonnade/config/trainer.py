@@ -54,6 +54,17 @@ class TrainerConfig:
     group_size: int = setting(8, "episodes per task (G)")
     groups_per_step: int = setting(8, "groups per optimizer step")
     groups_per_batch: int = setting(2, "groups per worker upload")
+    # Beyond what the next steps take, so that one worker slow to deliver a
+    # claimed batch does not hold the trainer; what is not taken shrinks the
+    # next version's demand rather than being wasted.
+    surplus_groups: int = setting(
+        2, "groups the fleet may make beyond what the trainer's next steps will take"
+    )
+    claim_seconds: float = setting(
+        120.0,
+        "a worker's claim on a batch lapses after this long without the batch, and another "
+        "worker may make it (a restarted worker's claims lapse at once)",
+    )
     lr: float = setting(1e-5, "AdamW learning rate")
     # Adam's first updates move every weight by about the full rate: a smoke
     # run at 3e-4 without warm-up collapsed at v4 (mismatch KL 1.9, rewards 0).
@@ -125,6 +136,8 @@ def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
         ("group_size >= 2", c.group_size >= 2),
         ("groups_per_step >= 1", c.groups_per_step >= 1),
         ("groups_per_batch >= 1", c.groups_per_batch >= 1),
+        ("surplus_groups >= 0", c.surplus_groups >= 0),
+        ("claim_seconds > 0", c.claim_seconds > 0),
         ("lr > 0", c.lr > 0),
         ("warmup_versions >= 0", c.warmup_versions >= 0),
         ("weight_decay >= 0", c.weight_decay >= 0),

@@ -24,15 +24,8 @@ class WorkerConfig:
         "auto", "rollout engine (auto: MLX on Apple silicon when installed, else torch)", ENGINES
     )
     max_batches: int = setting(0, "stop after this many uploads (0: until the run is done)")
-    poll_seconds: float = setting(1.0, "the shortest wait between polls of the store")
-    # The trainer takes the newest groups first, so more than the quota of a
-    # version would be dropped as stale, and on a machine shared with the
-    # trainer they cost it CPU; the wait is bounded so that batches the
-    # trainer refuses cannot stall the fleet.
-    pace_seconds: float = setting(
-        10.0,
-        "once the store holds a version's quota of groups, wait at most this long for the "
-        "next version before making more (0: never wait)",
+    poll_seconds: float = setting(
+        1.0, "the longest wait between polls of the store before the version interval is known"
     )
     join_timeout: float = setting(600.0, "how long to wait for the run's run.json")
     metrics_port: int | None = setting(
@@ -45,7 +38,7 @@ class WorkerConfig:
         """Settings no worker can run with: a ValueError naming them."""
         if self.engine not in ENGINES:
             raise ValueError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
-        if self.max_batches < 0 or self.poll_seconds <= 0 or self.pace_seconds < 0:
-            raise ValueError("max_batches and pace_seconds must be >= 0; poll_seconds > 0")
+        if self.max_batches < 0 or self.poll_seconds <= 0:
+            raise ValueError("max_batches must be >= 0 and poll_seconds > 0")
         if self.join_timeout <= 0:
             raise ValueError("join_timeout must be > 0")

@@ -1,12 +1,12 @@
-"""The small documents beside the weights: heartbeats, the quarantine file,
-the consumed ledgers and done.json (docs/protocol.md, "Documents").
+"""The small documents beside the weights: heartbeats, claims, the quarantine
+file, the consumed ledgers and done.json (docs/protocol.md, "Documents").
 
 Each is a frozen dataclass, written with `to_json` and read with
 `from_json` only: size-bounded, depth-bounded, every field present and of
 its type, no field beyond them (like run.json and meta.json). They belong to
 the protocol version run.json names; a change of fields is a new protocol.
-Heartbeats come from workers, so strangers: what fails its checks is
-skipped by the readers, never trusted.
+Heartbeats and claims come from workers, so strangers: what fails its
+checks is skipped by the readers, never trusted.
 """
 
 from __future__ import annotations
@@ -93,6 +93,31 @@ class WorkerHeartbeat:
         _version(d["version"], "version", none=True)
         _time(d["time"], "time")
         _time(d["started"], "started")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """claims/{v}/{slot}.json: a worker takes one slot of the trainer's demand
+    for version v (put-if-absent: the first writer has it) and then makes
+    that batch. Immutable. The trainer reads each claim once, to match it
+    with the worker's batches; expiry is judged by the object's store time
+    and the demand's lease, never by this `time`."""
+
+    MAX_BYTES: ClassVar[int] = 4096
+
+    worker: str  # who makes the batch; its uploads of version v fulfil its claims in order
+    time: float  # when claimed, seconds since the epoch (the worker's clock; informational)
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Claim:
+        d = loads(data, cls.MAX_BYTES)
+        _same_fields(cls, d, "claim")
+        _worker(d["worker"], "worker")
+        _time(d["time"], "time")
         return cls(**d)
 
 

@@ -1,4 +1,4 @@
-"""Object keys of protocol v3, all relative to the run prefix (docs/protocol.md).
+"""Object keys of protocol v4, all relative to the run prefix (docs/protocol.md).
 
 | key                                        | writer         |
 |--------------------------------------------|----------------|
@@ -9,6 +9,7 @@
 | weights/{v:08d}/meta.json                  | trainer, last  |
 | weights/latest.json                        | trainer (hint) |
 | rollouts/{v:08d}/{worker}/{seq:06d}.safetensors.zst | worker |
+| claims/{v:08d}/{slot:06d}.json             | worker (put-if-absent) |
 | workers/{worker}.json                      | worker         |
 | trainer/heartbeat.json, keys.json, quarantine.json, done.json | trainer |
 | trainer/consumed/{v:08d}-{instance}.json   | trainer        |
@@ -26,7 +27,9 @@ import re
 
 # 2: hashes name their algorithm (BLAKE3 tree hashes by default), PULSE format 2.
 # 3: rollout batches are binary: zstd over safetensors (int32 ids, float32 log-probs).
-PROTOCOL_VERSION = 3
+# 4: demand-driven generation: latest.json carries the trainer's demand; a worker
+#    claims a slot (claims/{v}/{slot}.json) before it makes a batch.
+PROTOCOL_VERSION = 4
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
@@ -35,15 +38,18 @@ KEYRING = "trainer/keys.json"
 QUARANTINE = "trainer/quarantine.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
+EVAL_DURING = "report/eval-during/"  # held-out evals while training: {v:08d}.json (launcher)
 ROLLOUT_EXT = ".safetensors.zst"
 # Prefixes a process lists (and the trainer cleans of partial uploads).
 WEIGHTS = "weights/"
 ROLLOUTS = "rollouts/"
+CLAIMS = "claims/"
 WORKERS = "workers/"
 TRAINER = "trainer/"
 CONSUMED = "trainer/consumed/"
 CHECKPOINTS = "trainer/checkpoints/"
 CHECKPOINT_STATE = "state.json"  # a checkpoint's last object
+MAX_SLOT = 999_999  # claim slots of one version: six digits
 METRICS = "metrics/"
 
 # fullmatch with explicit ASCII classes: `$` would let a trailing newline
@@ -52,7 +58,8 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _ROLLOUT = re.compile(
     r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.safetensors\.zst"
 )
-_VERSION_DIR = re.compile(r"(weights|rollouts)/([0-9]{8})/.+", re.DOTALL)
+_VERSION_DIR = re.compile(r"(weights|rollouts|claims)/([0-9]{8})/.+", re.DOTALL)
+_CLAIM = re.compile(r"claims/([0-9]{8})/([0-9]{6})\.json")
 _META = re.compile(r"weights/([0-9]{8})/meta\.json")
 _WORKER = re.compile(r"workers/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.json")
 # Ledgers of earlier releases have no instance.
@@ -102,8 +109,8 @@ def parse_meta_key(key: str) -> int | None:
 
 
 def parse_version_dir(key: str) -> tuple[str, int] | None:
-    """("weights" | "rollouts", v) of any object under `weights/{v}/` or
-    `rollouts/{v}/` (well-formed or not), None for anything else."""
+    """("weights" | "rollouts" | "claims", v) of any object under `weights/{v}/`,
+    `rollouts/{v}/` or `claims/{v}/` (well-formed or not), None for anything else."""
     m = _VERSION_DIR.fullmatch(key) if isinstance(key, str) else None
     return (m[1], int(m[2])) if m else None
 
@@ -120,6 +127,28 @@ def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
     """(version, worker, seq) of a rollout key, None for anything else."""
     m = _ROLLOUT.fullmatch(key) if isinstance(key, str) else None
     return (int(m[1]), m[2], int(m[3])) if m else None
+
+
+def eval_during_key(v: int) -> str:
+    return f"{EVAL_DURING}{v:08d}.json"
+
+
+def claims_dir(v: int) -> str:
+    return f"{CLAIMS}{v:08d}/"
+
+
+def claim_key(v: int, slot: int) -> str:
+    """Slot `slot` of version v: the worker that writes it first (put-if-absent)
+    makes that batch (docs/protocol.md, "Demand and claims")."""
+    if not 0 <= slot <= MAX_SLOT:
+        raise ValueError(f"slot {slot}: 0 to {MAX_SLOT}")
+    return f"{claims_dir(v)}{slot:06d}.json"
+
+
+def parse_claim_key(key: str) -> tuple[int, int] | None:
+    """(version, slot) of a claim key, None for anything else."""
+    m = _CLAIM.fullmatch(key) if isinstance(key, str) else None
+    return (int(m[1]), int(m[2])) if m else None
 
 
 def worker_key(worker: str) -> str:

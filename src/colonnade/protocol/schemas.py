@@ -26,7 +26,7 @@ from colonnade import untrusted
 from colonnade.envs.args import check_env_kwargs
 from colonnade.pulse.hashing import is_hash
 
-from .keys import PROTOCOL_VERSION, check_worker_id
+from .keys import MAX_SLOT, PROTOCOL_VERSION, check_worker_id
 
 MAX_JSON_BYTES = 1 << 20  # run.json, meta.json, heartbeats
 MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
@@ -201,20 +201,51 @@ class VersionMeta:
 
 
 @dataclass(frozen=True)
+class Demand:
+    """What the trainer still wants made, carried by latest.json (protocol 4).
+
+    A worker running `version` may make a batch only after it has claimed one
+    of the slots `claims/{version}/{0 .. slots-1}.json` (put-if-absent): the
+    trainer opens as many slots as the groups its next steps will take, less
+    what is already made or promised, plus a small surplus for stragglers
+    (train/demand.py). Slots only ever grow for a version: a slot once opened
+    stays open, and the count goes up when a claim expires or a batch is
+    refused. Workers of other versions wait for the next latest.json.
+    """
+
+    version: int  # the version whose slots are open (the newest published, or about to be)
+    slots: int  # claim slots of that version, numbered from 0; 0: nothing wanted now
+    oldest: int  # batches made with versions below this are never trained on
+    lease_seconds: float  # a claim older than this without its batch is given up
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Demand:
+        _need(isinstance(d, dict), "demand is not an object")
+        _same_fields(cls, d, "demand")
+        _need(_int(d["version"]) and _int(d["oldest"], 0, d["version"]), "demand version/oldest")
+        _need(_int(d["slots"], 0, MAX_SLOT + 1), f"demand slots: 0 to {MAX_SLOT + 1}")
+        _need(_num(d["lease_seconds"]) and d["lease_seconds"] > 0, "lease_seconds: > 0")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class Latest:
     """weights/latest.json: the newest version at a glance, rewritten by the
     trainer after each meta.json (a pointer: meta.json stays the truth).
 
     A worker polls this one object: it names the newest version and carries
     its meta.json (so a follower one version behind reads this and the patch,
-    nothing else), says when the run is over, and counts the quarantine
-    decisions (a worker rereads trainer/quarantine.json when the count grows).
+    nothing else), the trainer's demand (so claiming work costs no extra
+    read), says when the run is over, and counts the quarantine decisions (a
+    worker rereads trainer/quarantine.json when the count grows). Rewritten
+    within a version too, when the demand changes.
     """
 
     version: int
     meta: VersionMeta
     done: bool = False  # the run is over (trainer/done.json is written too)
     quarantined: int = 0  # quarantine decisions so far
+    demand: Demand | None = None  # what workers may claim; None: nothing (yet)
 
     def to_json(self) -> bytes:
         return dumps(asdict(self))
@@ -226,7 +257,8 @@ class Latest:
         meta = VersionMeta.from_dict(d["meta"])
         _need(_int(d["version"]) and meta.version == d["version"], "version: its meta's")
         _need(isinstance(d["done"], bool) and _int(d["quarantined"]), "done/quarantined")
-        return cls(d["version"], meta, d["done"], d["quarantined"])
+        demand = None if d["demand"] is None else Demand.from_dict(d["demand"])
+        return cls(d["version"], meta, d["done"], d["quarantined"], demand)
 
 
 @dataclass

@@ -14,6 +14,7 @@ differs from the meta.
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
-from .schemas import MAX_JSON_BYTES, Latest, SchemaError, VersionMeta
+from .schemas import MAX_JSON_BYTES, Demand, Latest, SchemaError, VersionMeta
 
 State = Mapping[str, torch.Tensor]
 
@@ -56,14 +57,19 @@ class Publisher:
         self.version: int | None = None
         self.meta: VersionMeta | None = None  # of `version`, once published here
         self.quarantined = 0  # decisions so far, announced in latest.json
+        self.demand: Demand | None = None  # announced in latest.json
+        # latest.json is written by the publication (a background job) and
+        # by the trainer's main thread when the demand changes mid-version.
+        self._pointing = threading.Lock()
 
     def adopt(self, version: int, prepared: dict[str, torch.Tensor], state_hash: str) -> None:
         """Continue after `version`, whose prepared state is already published."""
         self.version, self.last, self.last_hash = version, prepared, state_hash
 
-    def publish(self, state: State) -> Published:
+    def publish(self, state: State, demand: Demand | None = None) -> Published:
         """Publish `state` as the next version: its patch from the last one
-        (every version but v0), its full state too at an anchor, meta.json last."""
+        (every version but v0), its full state too at an anchor, meta.json last;
+        latest.json then names it, with `demand` (the slots of this version)."""
         t0 = time.perf_counter()
         v = 0 if self.version is None else self.version + 1
         if v > 0 and self.last is None:
@@ -105,18 +111,39 @@ class Publisher:
             existing = read_meta(self.store, v)
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
-        self.meta = meta
-        self.point()
+        with self._pointing:
+            self.meta = meta
+            if demand is not None:
+                self.demand = demand
+            self._point(False)
         self.adopt(v, new, state_hash)
         return Published(meta, time.perf_counter() - t0)
 
     def point(self, done: bool = False) -> None:
         """Rewrite weights/latest.json for the newest version (published here,
         or adopted on resume)."""
+        with self._pointing:
+            self._point(done)
+
+    def announce(self, demand: Demand) -> bool:
+        """A new demand, into latest.json now; False (nothing written) when it
+        is older than the one announced, which a publication may just have
+        replaced, or the same."""
+        with self._pointing:
+            if self.demand is not None and (
+                demand.version < self.demand.version or demand == self.demand
+            ):
+                return False
+            self.demand = demand
+            self._point(False)
+            return True
+
+    def _point(self, done: bool) -> None:
         if self.meta is None and self.version is not None:
             self.meta = read_meta(self.store, self.version)
         if self.meta is not None:
-            latest = Latest(self.meta.version, self.meta, done, self.quarantined)
+            demand = None if done else self.demand
+            latest = Latest(self.meta.version, self.meta, done, self.quarantined, demand)
             self.store.put(keys.LATEST, latest.to_json())
 
 

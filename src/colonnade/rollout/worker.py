@@ -3,12 +3,17 @@
 A worker knows only the store URL. It reads `run.json` (environment,
 sampling, group size, precision), fetches the model's config and tokenizer
 from `model/`, then loops: sync to the newest version (patches in order,
-verified by hash), run `groups_per_batch` tasks × `group_size` episodes with
-the int8 engine, upload the batch under `rollouts/{v}/{worker}/{seq}`, and
-heartbeat. It stops when the trainer writes `trainer/done.json`, or on
-SIGTERM / Ctrl-C after the batch in flight is uploaded. Store outages are
-retried with backoff and reported; the worker itself holds no state that
-matters, so killing it loses at most one batch.
+verified by hash), claim a slot of the trainer's demand for that version
+(`claims/{v}/{slot}`, put-if-absent; the demand comes with latest.json),
+run `groups_per_batch` tasks × `group_size` episodes with the int8 engine
+(`make_batch`, the one method a simulated worker replaces), upload the
+batch under `rollouts/{v}/{worker}/{seq}`, and heartbeat. With no slot to
+claim it waits for latest.json to change, at the pace of the versions: the
+fleet makes what the trainer will take (train/demand.py), not more. It
+stops when the trainer writes `trainer/done.json`, or on SIGTERM / Ctrl-C
+after the batch in flight is uploaded. Store outages are retried with
+backoff and reported; the worker itself holds no state that matters, so
+killing it loses at most one batch (and its claim lapses).
 """
 
 from __future__ import annotations
@@ -39,11 +44,11 @@ from colonnade.protocol import (
     keys,
     read_latest,
 )
-from colonnade.protocol.documents import Quarantine, WorkerHeartbeat, read_document
+from colonnade.protocol.documents import Claim, Quarantine, WorkerHeartbeat, read_document
 from colonnade.protocol.metrics import WorkerRow
 from colonnade.protocol.model_files import fetch_model
-from colonnade.protocol.polling import moving_gap, poll_interval
-from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
+from colonnade.protocol.polling import idle_delay, moving_gap
+from colonnade.protocol.schemas import MAX_JSON_BYTES, Latest, SchemaError
 from colonnade.protocol.signing import load_private, sign
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.store.retry import backoff
@@ -58,19 +63,10 @@ log = logging.getLogger("colonnade.worker")
 # A heartbeat at most this often (and with the first batch): the trainer
 # counts workers alive over `heartbeat_timeout` (60 s).
 HEARTBEAT_SECONDS = 20.0
-
-
-def pace_quota(groups_per_step: int, max_lag: int) -> int:
-    """Groups of one version the fleet makes before waiting for the next.
-
-    Two steps' worth when stale groups are usable (max_lag >= 1): the trainer
-    takes the newest first, and with one step per version it would wait for
-    every version's groups to be made after publishing it (lockstep: the bench
-    showed async no faster than sync). The second step's worth is ready when
-    the trainer comes back, and the groups of the version after are made while
-    it trains. One step when only the newest version's groups are usable.
-    """
-    return groups_per_step * (2 if max_lag >= 1 else 1)
+# Slots tried per look at the demand: in a large fleet most tries find the
+# slot taken, and each is a billed request.
+CLAIM_TRIES = 2
+NAP_SECONDS = 0.5  # an idle wait sleeps in pieces this long, so a stop is seen
 
 
 class Quarantined(RuntimeError):
@@ -136,7 +132,9 @@ class Worker:
         self.prefetch = Background("fetch")  # the follower's next sync, while generating
         self._fetched: tuple[set[str] | None, float] | None = None  # (changed keys, seconds)
         self._bytes_counted = 0
-        self.pointer = None  # the last latest.json read: newest version, done, quarantine count
+        self.pointer: Latest | None = None  # the last latest.json read: version, demand, done
+        self.taken: tuple[int | None, set[int]] = (None, set())  # (version, slots found taken)
+        self.claims = 0  # slots claimed by this process
         self._quarantined_seen = 0
         self._beat = 0.0  # when the last heartbeat went up
 
@@ -189,40 +187,47 @@ class Worker:
             self.pointer = latest
         return latest
 
-    def _fetch(self) -> None:
-        """Move the follower to the newest version: download, patch, hash check.
+    def _fetch(self, latest: Latest) -> None:
+        """Move the follower to `latest`'s version: download, patch, hash check.
         Runs in the background (but for the first version) while the engine
         generates with the weights it holds; PULSE leaves the tensors it did
         not rewrite as they were (the same objects), so identity tells which
         ones the engine must load."""
         held = self.follower.state
         t0 = time.perf_counter()
-        latest = self._poll()
-        if latest is None:
-            return
         if self.follower.sync(latest.version, known=latest.meta):
             new = self.follower.state
             changed = None if held is None else {k for k, t in new.items() if held.get(k) is not t}
             self._fetched = (changed, time.perf_counter() - t0)
 
     def sync(self) -> None:
-        """Bring the engine to the newest version the follower has fetched.
+        """Bring the engine to the newest version latest.json named.
 
         A worker stalls only for loading the changed tensors into its engine
         (`load_seconds`): the apply (`apply_seconds`) ran beside generation.
-        While a fetch is still running the engine generates on, unless its
-        version already has its quota of batches, when waiting costs nothing.
+        While a fetch is still running the engine generates on if the demand
+        still has a slot for the version it runs; otherwise waiting costs
+        nothing. The fetch reads no pointer of its own: the worker's one
+        look at latest.json (after each upload, or while idle) starts it.
         """
         if self.engine is None:
-            self._fetch()
-        elif self.prefetch.busy and not self.quota_full():
+            latest = self._poll()
+            if latest is not None:
+                self._fetch(latest)
+        p = self.pointer
+        behind = (
+            p is not None
+            and self.follower.version is not None
+            and (p.version > self.follower.version)
+        )
+        if behind and not self.prefetch.busy and self._fetched is None:
+            self.prefetch.submit(lambda: self._fetch(p))
+        if self.prefetch.busy and self.free_slots():
             return
-        else:
-            self.prefetch.wait()  # raises what the fetch raised
+        self.prefetch.wait()  # raises what the fetch raised
         fetched, self._fetched = self._fetched, None
         if fetched is not None:
             self._install(*fetched)
-        self.prefetch.submit(self._fetch)
 
     def _install(self, changed: set[str] | None, apply_seconds: float) -> None:
         before = self.running_version
@@ -316,49 +321,73 @@ class Worker:
             )
         return set(decisions)
 
-    def quota_full(self) -> bool:
-        """Whether the store holds `pace_quota` groups of our version (batches
-        of quarantined workers fill no step, so they do not count)."""
-        need = pace_quota(self.spec.groups_per_step, self.spec.max_lag)
-        if not need or self.cfg.pace_seconds <= 0:
-            return False
-        found = [
-            keys.parse_rollout_key(k)
-            for k in self.store.list(keys.rollouts_dir(self.running_version))
-        ]
-        batches = sum(1 for f in found if f is not None and f[1] not in self.refused)
-        return batches * self.spec.groups_per_batch >= need
+    def free_slots(self) -> list[int]:
+        """Slots of the running version that the demand opens and this worker
+        has not found taken (none when the demand is for another version)."""
+        d = self.pointer.demand if self.pointer is not None else None
+        v = self.running_version
+        if d is None or v is None or d.version != v:
+            return []
+        if self.taken[0] != v:
+            self.taken = (v, set())
+        return [s for s in range(d.slots) if s not in self.taken[1]]
 
-    def wait_for_newer(self) -> bool:
-        """Wait up to pace_seconds for a version newer than ours, the run's
-        end or a stop; whether one came (False: make a batch anyway)."""
-        v, t0 = self.running_version, time.monotonic()
-        delay = poll_interval(self.version_gap, self.cfg.poll_seconds)
+    def claim(self) -> bool:
+        """Claim a slot of the running version (put-if-absent; the first
+        writer has it): whether this worker is to make a batch now. A few
+        random free slots are tried, so that many workers seldom collide."""
+        free = self.free_slots()
+        v = self.running_version
+        for slot in random.sample(free, min(CLAIM_TRIES, len(free))):
+            self.taken[1].add(slot)  # ours or another's: not free either way
+            doc = Claim(self.id, time.time()).to_json()
+            if self.store.put_if_absent(keys.claim_key(v, slot), doc):
+                self.claims += 1
+                return True
+        return False
+
+    def wait_for_work(self) -> None:
+        """Nothing to make: wait until latest.json changes (a new version, new
+        slots, the run's end) or a stop, looking at it at the pace of the
+        versions (`idle_delay`); the time is counted as `paced_seconds`."""
+        seen, t0, polls = self.pointer, time.monotonic(), 0
         try:
-            while time.monotonic() - t0 < self.cfg.pace_seconds:
-                time.sleep(delay)
+            while not self.stop.requested:
+                delay = idle_delay(self.version_gap, time.monotonic() - self._synced_at,
+                                   polls, self.cfg.poll_seconds)  # fmt: skip
+                self._nap(delay)
+                if self.stop.requested:
+                    return
                 latest = self._poll()
-                if self.stop.requested or self.done() or (latest and latest.version > v):
-                    return True
-            return False
+                polls += 1
+                if latest is not None and (
+                    seen is None or latest.done or latest.version != seen.version
+                    or latest.demand != seen.demand
+                ):  # fmt: skip
+                    return
         finally:
             self.pending_time["paced_seconds"] += time.monotonic() - t0
+
+    def _nap(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stop.requested and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, NAP_SECONDS))
 
     def iteration(self) -> None:
         self.sync()
         if self.running_version is None:
             time.sleep(self.cfg.poll_seconds)
             return
-        if self.quota_full() and self.wait_for_newer():
-            return  # the next iteration syncs to it
+        if not self.claim():
+            self.wait_for_work()
+            return  # the next iteration syncs to what came
         t0 = time.perf_counter()
         batch = self.make_batch()
         key = self.upload(batch)
         self.batches += 1
         seconds = time.perf_counter() - t0
-        # The skew a batch landed with: the pointer as it is now, not as it was
-        # when generation began (one small GET per batch; a background fetch
-        # may or may not have read it meanwhile).
+        # One look at latest.json per batch: the skew the batch landed with,
+        # the demand for the next claim, and a newer version to fetch.
         self._poll()
         log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
         if time.monotonic() - self._beat >= HEARTBEAT_SECONDS or self.batches == 1:

@@ -48,15 +48,21 @@ class Collected:
     rejected: list[str] = field(default_factory=list)  # batches taken and refused whole
 
 
-def take_order(fresh: dict[int, list[str]]) -> list[str]:
-    """The order to take batches in: newest version first, workers in turn.
+def take_order(fresh: dict[int, list[str]], expiring: int | None = None) -> list[str]:
+    """The order to take batches in: those of version `expiring` first, then
+    newest version first; workers in turn within a version.
 
-    Newest first keeps staleness low when workers outpace the trainer (the
-    older batches then age out and are counted as dropped); taking workers in
+    `expiring` is the window's oldest version when the step's window reaches
+    back (max_lag >= 1): no later step can take those batches, and since
+    protocol 4 every batch was asked for (train/demand.py), so one left now
+    is waste. Newest first after that keeps staleness low; taking workers in
     turn within a version keeps one fast worker from crowding out the rest.
     """
     out: list[str] = []
-    for v in sorted(fresh, reverse=True):
+    order = sorted(fresh, reverse=True)
+    if expiring in fresh:
+        order = [expiring] + [v for v in order if v != expiring]
+    for v in order:
         by_worker: dict[str, list[str]] = {}
         for key in sorted(fresh[v]):
             parsed = keys.parse_rollout_key(key)
@@ -179,11 +185,12 @@ class Collector:
         v: int,
         need: int,
         timeout: float | None = None,
-        stop: Callable[[], bool] | None = None,
+        stop: Callable[[int], bool] | None = None,
     ) -> Collected:
         """At least `need` groups made with versions v − max_lag … v.
 
-        Fewer on timeout, or when `stop()` turns true while waiting.
+        Fewer on timeout, or when `stop(groups taken so far)` turns true while
+        waiting (the trainer also refreshes its demand there).
         """
         t0, last_report = time.monotonic(), time.monotonic()
         out = Collected([], [], Counter(), 0.0)
@@ -194,7 +201,8 @@ class Collector:
                 u: [k for k in self.store.list(keys.rollouts_dir(u)) if k not in self.consumed]
                 for u in range(max(0, v - self.max_lag), v + 1)
             }
-            for key in take_order(fresh):
+            lowest = max(0, v - self.max_lag)
+            for key in take_order(fresh, lowest if lowest < v else None):
                 groups = self._take(key, v, out)
                 self.consumed.add(key)
                 for g in groups:
@@ -205,7 +213,7 @@ class Collector:
             if len(out.groups) >= need:
                 break
             waited = time.monotonic() - t0
-            if stop is not None and stop():
+            if stop is not None and stop(len(out.groups)):
                 break
             if timeout is not None and waited > timeout:
                 log.warning("gave up waiting for rollouts after %.0f s", waited)

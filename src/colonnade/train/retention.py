@@ -5,6 +5,8 @@ more (`garbage`):
 
 - rollouts of versions below v − max_lag: consumed, rejected or stale, no
   step can take them (the ledgers and metric rows keep their counts);
+- claims of versions below v − max_lag: the demand counts only the window's
+  (a claim of an older version could not bring a usable batch);
 - ledgers of versions below v − max_lag: a resumed trainer needs the keys and
   content digests of the window only (anything older is out of it);
 - weights below the newest anchor's previous anchor: a joiner needs the
@@ -31,8 +33,8 @@ log = logging.getLogger("colonnade.trainer")
 
 
 def _owner(key: str) -> tuple[str, int] | None:
-    """(what, version) of a key retention may delete: a rollout, a ledger or a
-    version's weights; None for anything else."""
+    """(what, version) of a key retention may delete: a rollout, a claim, a
+    ledger or a version's weights; None for anything else."""
     if (ledger := keys.parse_consumed_key(key)) is not None:
         return "ledger", ledger[0]
     return keys.parse_version_dir(key)
@@ -43,6 +45,7 @@ def garbage(listing: list[str], v: int, max_lag: int, anchor_every: int) -> list
     newest_anchor = v - v % anchor_every
     below = {
         "rollouts": v - max_lag,  # the oldest version a step may still take
+        "claims": v - max_lag,
         "ledger": v - max_lag,
         "weights": newest_anchor - anchor_every,  # the previous anchor, and on
     }
@@ -68,7 +71,7 @@ class Retention:
             return 0
         listing = [
             k
-            for prefix in (keys.ROLLOUTS, keys.CONSUMED, keys.WEIGHTS)
+            for prefix in (keys.ROLLOUTS, keys.CLAIMS, keys.CONSUMED, keys.WEIGHTS)
             for k in self.store.list(prefix)
         ]
         doomed = garbage(listing, v, self.max_lag, self.anchor_every)

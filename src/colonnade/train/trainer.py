@@ -4,7 +4,8 @@ several ranks under torchrun with FSDP2 (`distributed`).
     start:  run.json (put-if-absent), model files, checkpoint v0, publish v0
     loop:   collect groups (v − max_lag … v) → recompute rewards → DPPO step
             → record consumed batches (ledger) → snapshot → publish v+1 in
-            the background (patch; anchor every K) while the next step runs
+            the background (patch; anchor every K; latest.json with the
+            demand: claim slots of v+1, `demand`) while the next step runs
             → metrics, heartbeat; checkpoint every N versions
     end:    trainer/done.json, which tells workers to stop
 
@@ -37,7 +38,7 @@ from colonnade.config import TrainerConfig
 from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_texts_of
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
-from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version
+from colonnade.protocol import Follower, Publisher, RunSpec, keys, latest_version, read_latest
 from colonnade.protocol.documents import (
     ConsumedLedger,
     Done,
@@ -49,16 +50,17 @@ from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import fresh_workers
-from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError, batch_bytes_bound
+from colonnade.protocol.schemas import MAX_JSON_BYTES, Demand, SchemaError, batch_bytes_bound
 from colonnade.protocol.signing import keyring_json, load_keyring
 from colonnade.protocol.turns import episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
-from colonnade.store import ObjectStore, open_store
+from colonnade.store import ObjectStore, StoreError, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
 from .checkpoint import Checkpointer, latest_checkpoint, prune_checkpoints
 from .collect import Collector
+from .demand import Planner, horizon, new_slots, wanted_groups
 from .distributed import Command, Dist, init_distributed
 from .loss import GateConfig
 from .policy import build_policy, full_state
@@ -69,6 +71,9 @@ from .step import StepConfig, StepFigures, train_step
 
 log = logging.getLogger("colonnade.trainer")
 PING_SECONDS = 20.0  # rank 0 tells waiting ranks it lives at least this often
+# While waiting for groups, the demand is worked out again this often (a few
+# LISTs): an expired claim or a refused batch opens new slots within a version.
+REPLAN_SECONDS = 1.0
 
 
 class RunConflict(RuntimeError):
@@ -190,6 +195,12 @@ class Trainer:
         self.retention = Retention(
             self.store, cfg.max_lag, cfg.anchor_every, enabled=not cfg.retain_all
         )
+        self.planner = Planner(
+            self.store, cfg.groups_per_step, cfg.groups_per_batch, cfg.max_lag,
+            cfg.max_versions, cfg.surplus_groups, cfg.claim_seconds,
+        )  # fmt: skip
+        self._replanned = 0.0  # when the demand was last worked out while waiting
+        self._wait_began: float | None = None  # the step's first wait for groups
 
     # -- what every rank does together, announced by rank 0 ------------------------------
     def _command(self, cmd: Command, arg: int = 0) -> None:
@@ -240,7 +251,8 @@ class Trainer:
     def open(self) -> None:
         self.store.clean_partial(keys.TRAINER, time.time())
         self.store.clean_partial(keys.WEIGHTS, time.time())
-        if self.store.exists(keys.RUN):
+        resumed = self.store.exists(keys.RUN)
+        if resumed:
             self._resume()
         else:
             self._start()
@@ -270,6 +282,29 @@ class Trainer:
         if self.spec.signed and not self.cfg.worker_keys:
             raise RunConflict("this run requires signed batches: pass --worker-keys")
         self._load_keys()
+        if resumed:  # the demand from what the store holds, as if after a step
+            latest = read_latest(self.store)
+            current = latest.demand if latest is not None else None
+            self.publisher.announce(self._plan(self.version, self.version, current))
+
+    def _plan(self, step: int, target: int, current: Demand | None = None,
+              consumed: set[str] | None = None, taken: int = 0,
+              current_step_only: bool = False) -> Demand:  # fmt: skip
+        """The demand for slots of version `target`, seen from the step at `step`."""
+        c = self.collector
+        return self.planner.plan(
+            step, target, c.consumed if consumed is None else consumed,
+            set(c.quarantined), taken, current, current_step_only,
+        )  # fmt: skip
+
+    def first_demand(self) -> Demand:
+        """v0's demand: nothing made or claimed yet."""
+        cfg = self.cfg
+        want = wanted_groups(
+            horizon(0, cfg.max_versions, cfg.groups_per_step, cfg.max_lag),
+            0, cfg.surplus_groups, 0, 0,
+        )  # fmt: skip
+        return Demand(0, new_slots(0, want, cfg.groups_per_batch), 0, cfg.claim_seconds)
 
     def _start(self) -> None:
         files = model_files(self.model_dir)
@@ -281,7 +316,7 @@ class Trainer:
         self.spec = spec
         self._heartbeat(None)
         self._save(0)
-        meta = self.publisher.publish(self._snapshot()).meta
+        meta = self.publisher.publish(self._snapshot(), self.first_demand()).meta
         self.version = 0
         log.info("run %s: published v0 (%d bytes, full)", spec.run_id, meta.anchor_bytes)
 
@@ -369,12 +404,33 @@ class Trainer:
         """Workers whose heartbeat is younger than heartbeat_timeout."""
         return len(fresh_workers(self.store, time.time(), self.cfg.heartbeat_timeout))
 
-    def _waiting(self) -> bool:
-        """Polled while collecting: keeps the other ranks' collectives alive;
-        True once a stop is requested."""
+    def _waiting(self, v: int, taken: int) -> bool:
+        """Polled while collecting for the step at v, `taken` groups so far:
+        keeps the other ranks' collectives alive and the demand current; True
+        once a stop is requested."""
         if self.where.sharded and time.monotonic() - self._last_command > PING_SECONDS:
             self._command(Command.PING)
+        now = time.monotonic()
+        if self._wait_began is None:
+            self._wait_began = now
+        elif min(now - self._wait_began, now - self._replanned) > REPLAN_SECONDS:
+            self._replan(v, taken)
         return self.stop_requested
+
+    def _replan(self, v: int, taken: int) -> None:
+        """While waiting: the demand again, for the newest published version
+        and the shortfall of this step (best effort: the next poll tries
+        again after a store error)."""
+        self._replanned = time.monotonic()
+        target, current = self.publisher.version, self.publisher.demand
+        if target is None:
+            return
+        try:
+            demand = self._plan(v, target, current, taken=taken, current_step_only=True)
+            if self.publisher.announce(demand) and current is not None:
+                log.info("demand for v%d: %d slots (was %d)", target, demand.slots, current.slots)
+        except StoreError as e:
+            log.warning("demand not updated: %s", e)
 
     def step(self) -> TrainerRow | None:
         """Train on one collection; hand v+1 to the background publication; its
@@ -392,8 +448,11 @@ class Trainer:
         counts = self.collector.counts
         before = counts["batches_rejected"] + counts["groups_rejected"]
         need = self.cfg.groups_per_step
+        self._wait_began = None
         got = self._retry(
-            "collect", lambda: self.collector.collect(v, need, stop=self._waiting), deadline
+            "collect",
+            lambda: self.collector.collect(v, need, stop=lambda n: self._waiting(v, n)),
+            deadline,
         )
         if len(got.groups) < need:
             return None
@@ -432,7 +491,10 @@ class Trainer:
             publish_blocked_seconds=round(blocked, 3),
             peak_mem_mb=round(peak_memory_mb(self.where.device), 1),
         )
-        self.background.submit(lambda: self._publish(state, row))
+        # The demand for v+1 is worked out in the background, against what was
+        # consumed up to now: the next step may take groups meanwhile.
+        consumed = set(self.collector.consumed)
+        self.background.submit(lambda: self._publish(state, row, consumed))
         self._retry("heartbeat", lambda: self._heartbeat(v + 1), deadline)
         if (v + 1) % self.cfg.checkpoint_every == 0:
             self._retry("checkpoint", lambda: self._save(v + 1), deadline)
@@ -446,10 +508,15 @@ class Trainer:
         ledger = ConsumedLedger(sorted(got.keys), sorted(got.rejected), sorted(got.digests))
         self.store.put(keys.consumed_key(new_v, self.instance), ledger.to_json())
 
-    def _publish(self, state: dict[str, torch.Tensor], row: TrainerRow) -> None:
-        """Background: publish the snapshot as the next version, then its metrics row."""
+    def _publish(self, state: dict[str, torch.Tensor], row: TrainerRow, consumed: set[str]) -> None:
+        """Background: publish the snapshot as the next version with its
+        demand, then its metrics row."""
+        v = row.version
+        demand = self._retry(
+            "demand", lambda: self._plan(v, v, consumed=consumed), self.cfg.store_outage_seconds
+        )
         pub = self._retry(
-            "publish", lambda: self.publisher.publish(state), self.cfg.store_outage_seconds
+            "publish", lambda: self.publisher.publish(state, demand), self.cfg.store_outage_seconds
         )
         m = replace(
             row,

@@ -1,0 +1,202 @@
+"""The trainer's demand: how much the fleet should still make, as claim slots.
+
+Who calls it: the trainer, after each step (the demand goes up with the
+next version's latest.json) and while it waits for groups (so an expired
+claim or a refused batch opens new slots within a version); on resume, from
+what the store holds. Workers read it in latest.json and claim slots
+(`rollout/worker.py`); docs/protocol.md, "Demand and claims", has the rules.
+
+Why: workers that generate as fast as they can make far more than the
+trainer takes, which trains on the newest groups first and lets the rest
+age out of the max_lag window (protocol 3 paced workers by a count of
+batches in the store, two steps' worth per version, and still let them
+generate anyway after a timer: about half of what was uploaded was never
+trained on, docs/benchmarks.md). Here the trainer says what it will take.
+
+How much (`wanted_groups`): what the trainer's next steps will take
+(`horizon`), less what is already made and not yet taken (`ready`) and
+what is promised (claims not yet fulfilled nor expired, and slots opened but
+not yet claimed), plus `surplus` groups so that one straggler holding a
+claim does not hold the trainer. The horizon is two steps when stale groups
+are usable (max_lag >= 1): a step's worth is then ready when a step starts,
+made while the step before trained, so the trainer does not wait for the
+version it has just published; one step when only the newest version counts;
+never past max_versions, so a run ends with nothing left over. This is
+AReaL's bound (at most (offpolicyness + 1) batches of work ahead of the
+trainer, counting what runs) with an offpolicyness of one step, and
+prime-rl's async_level, enforced by the workers claiming rather than by an
+orchestrator that hands out requests: here the workers are strangers that
+pull.
+
+While the trainer waits for groups it works the demand out again (about
+once a second, `current_step_only`): an expired claim or a refused batch
+then opens new slots within a version, for the shortfall of the step in
+progress only; the steps after are the next version's demand.
+
+Claims (`pending`): a worker claims one slot per batch and uploads before it
+claims again, so its batches of a version fulfil its claims of that version
+in order; an unfulfilled claim is given up when the demand's lease runs out
+(by the object's store time), or at once when the same worker has claimed
+since (it restarted, or lost the upload: that batch is never coming).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from colonnade.protocol import keys
+from colonnade.protocol.documents import Claim
+from colonnade.protocol.schemas import Demand, SchemaError
+from colonnade.store import ObjectStore, StoreError, StoreUnavailable
+
+
+def horizon(step: int, max_versions: int, per_step: int, max_lag: int) -> int:
+    """Groups the steps from `step` on will take before the groups of the
+    version published for `step` age out or the run ends."""
+    depth = 2 if max_lag >= 1 else 1
+    return per_step * max(0, min(depth, max_versions - step))
+
+
+def wanted_groups(horizon_groups: int, taken: int, surplus: int, ready: int, promised: int) -> int:
+    """Groups still to start: the horizon less what this step already took,
+    what is made and not yet taken, and what is promised; plus the surplus."""
+    if horizon_groups - taken <= 0:
+        return 0  # the run is over, or the last step has its groups
+    return max(0, horizon_groups - taken + surplus - ready - promised)
+
+
+def new_slots(open_slots: int, wanted: int, per_batch: int) -> int:
+    """The demand's slot count after asking for `wanted` more groups: slots
+    only grow (a slot once opened may be claimed at any time)."""
+    return open_slots + math.ceil(wanted / per_batch)
+
+
+@dataclass(frozen=True)
+class SeenClaim:
+    """One claim as the trainer knows it: read once, then cached."""
+
+    version: int
+    slot: int
+    worker: str | None  # None: the object did not read as a claim (never fulfilled)
+    at: float  # the object's store time, seconds since the epoch
+
+
+def pending(claims: list[SeenClaim], landed: Counter, now: float, lease: float) -> list[SeenClaim]:
+    """The claims still in flight: not fulfilled by a landed batch and not
+    given up. `landed` counts batches per (version, worker)."""
+    by_worker: dict[str | None, list[SeenClaim]] = {}
+    for c in sorted(claims, key=lambda c: (c.at, c.version, c.slot)):
+        by_worker.setdefault(c.worker, []).append(c)
+    out = []
+    for worker, mine in by_worker.items():
+        if worker is None:
+            continue
+        fulfilled: Counter = Counter()
+        unfulfilled = []
+        for c in mine:
+            if fulfilled[c.version] < landed[(c.version, worker)]:
+                fulfilled[c.version] += 1
+            else:
+                unfulfilled.append(c)
+        # At most one claim per worker is in flight: its newest.
+        if unfulfilled and unfulfilled[-1] is mine[-1] and now - mine[-1].at < lease:
+            out.append(mine[-1])
+    return sorted(out, key=lambda c: (c.at, c.version, c.slot))
+
+
+@dataclass
+class Planner:
+    """Works out the demand from the store: rollouts listed per version in
+    the window, claims listed with their store times (each read once)."""
+
+    store: ObjectStore
+    per_step: int
+    per_batch: int
+    max_lag: int
+    max_versions: int
+    surplus: int
+    lease: float
+    seen: dict[str, SeenClaim] = field(default_factory=dict)  # claim key -> what it said
+    # The publication (background) and the wait for groups (main thread) both plan.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _claims(self, versions: range) -> list[SeenClaim]:
+        out = []
+        for u in versions:
+            for key, at in self.store.list_times(keys.claims_dir(u)).items():
+                parsed = keys.parse_claim_key(key)
+                if parsed is None:
+                    continue
+                if key not in self.seen:
+                    self.seen[key] = SeenClaim(*parsed, self._worker(key), at)
+                out.append(self.seen[key])
+        lowest = versions.start
+        self.seen = {k: c for k, c in self.seen.items() if c.version >= lowest}
+        return out
+
+    def _worker(self, key: str) -> str | None:
+        try:
+            return Claim.from_json(self.store.get(key, max_bytes=Claim.MAX_BYTES)).worker
+        except StoreUnavailable:
+            raise
+        except (StoreError, SchemaError):  # not a claim we accept: it holds nothing
+            return None
+
+    def plan(
+        self,
+        step: int,
+        target: int,
+        consumed: set[str],
+        refused: set[str],
+        taken: int = 0,
+        current: Demand | None = None,
+        current_step_only: bool = False,
+    ) -> Demand:
+        """The demand for slots of version `target` (the newest published, or
+        the one about to be), seen from the step at version `step`, which has
+        taken `taken` groups so far; `current` is the demand workers see now.
+
+        `consumed`: rollout keys taken already; `refused`: quarantined workers,
+        whose batches and claims count for nothing. `current_step_only`: the
+        shortfall of the step in progress, without surplus (while waiting)."""
+        if current_step_only:
+            need, surplus = (self.per_step if step < self.max_versions else 0), 0
+        else:
+            need = horizon(step, self.max_versions, self.per_step, self.max_lag)
+            surplus = self.surplus
+        with self._lock:
+            return self._plan(step, target, consumed, refused, taken, current, need, surplus)
+
+    def _plan(self, step, target, consumed, refused, taken, current, need, surplus) -> Demand:
+        oldest = max(0, step - self.max_lag)
+        versions = range(min(oldest, target), target + 1)
+        landed: Counter = Counter()
+        ready = 0
+        for u in versions:
+            for key in self.store.list(keys.rollouts_dir(u)):
+                parsed = keys.parse_rollout_key(key)
+                if parsed is None:
+                    continue
+                landed[(u, parsed[1])] += 1
+                if u >= oldest and key not in consumed and parsed[1] not in refused:
+                    ready += self.per_batch
+        claims = self._claims(versions)
+        flying = [
+            c for c in pending(claims, landed, time.time(), self.lease) if c.worker not in refused
+        ]
+        promised = self.per_batch * sum(c.version >= oldest for c in flying)
+        mine = [c for c in claims if c.version == target]
+        open_slots = max([c.slot + 1 for c in mine], default=0)
+        if current is not None and current.version == target:
+            open_slots = max(open_slots, current.slots)
+        if target >= oldest:  # unclaimed slots: a worker may take them any time
+            promised += self.per_batch * (open_slots - len({c.slot for c in mine}))
+        want = wanted_groups(need, taken, surplus, ready, promised)
+        if target < oldest:
+            want = 0  # L = 0 and the step's version is not out yet: nothing it could use
+        slots = min(new_slots(open_slots, want, self.per_batch), keys.MAX_SLOT + 1)
+        return Demand(target, slots, min(oldest, target), self.lease)
