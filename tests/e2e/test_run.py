@@ -73,6 +73,10 @@ def test_run_writes_a_full_report_and_report_rebuilds_it(tmp_path):
     assert report["sync"]["full_bytes"] > 3 * report["sync"]["patch_bytes_median"] > 0
     assert 0 <= report["trainer_wait_fraction"] <= 1
     assert len(report["series"]["version"]) == VERSIONS
+    # Held-out evals while training (the smoke preset: every 10 versions), on the curve.
+    during = report["eval"]["during"]
+    assert during and all(10 <= d["version"] <= VERSIONS and d["n"] > 0 for d in during)
+    assert "held-out at v" in p.stdout + p.stderr
     # What smoke declares (format_ok, "format ok") is what the rows and lines show.
     assert set(report["series"]["env_metrics"]) == {"format_ok"}
     assert len(report["series"]["env_metrics"]["format_ok"]) == VERSIONS

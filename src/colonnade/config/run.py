@@ -36,6 +36,13 @@ class RunConfig:
     )
     eval_n: int = setting(200, "held-out tasks evaluated before and after (0: none)")
     eval_batch: int = setting(50, "episodes per eval batch")
+    eval_every: int = setting(
+        0,
+        "while training, evaluate the newest version on eval_during_n held-out tasks every "
+        "this many versions, for the report's learning curve (0: never); it runs beside the "
+        "trainer and workers, on the same cores",
+    )
+    eval_during_n: int = setting(50, "held-out tasks of each eval while training")
     eval_temperature: float = setting(1.0, "sampling temperature of the held-out evals")
     metrics_port: int | None = setting(
         None, "trainer's Prometheus port; worker i gets port + 1 + i"
@@ -52,8 +59,10 @@ class RunConfig:
 
     def check(self) -> None:
         """Settings no run can start with: a ValueError naming them."""
-        if self.workers < 0 or self.threads < 1 or self.eval_n < 0 or self.eval_batch < 1:
-            raise ValueError("workers and eval_n must be >= 0; threads and eval_batch >= 1")
+        if min(self.workers, self.eval_n, self.eval_every, self.eval_during_n) < 0:
+            raise ValueError("workers, eval_n, eval_every and eval_during_n must be >= 0")
+        if self.threads < 1 or self.eval_batch < 1:
+            raise ValueError("threads and eval_batch must be >= 1")
         if self.trainer_ranks < 1:
             raise ValueError("trainer_ranks must be >= 1")
         if self.max_minutes is not None and not self.max_minutes > 0:

@@ -72,7 +72,9 @@ class TrainerConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     temperature: float = setting(1.0, "workers' sampling temperature")
     max_turn_tokens: int = setting(96, "model tokens per turn")
-    max_episode_tokens: int = setting(512, "tokens per episode, prompt and tool replies included")
+    max_episode_tokens: int = setting(
+        512, "tokens of an episode after its prompt: model turns and tool replies"
+    )
     delta_low: float = setting(0.15, "DPPO gate: largest drop of a token's probability kept")
     delta_high: float = setting(0.15, "DPPO gate: largest rise of a token's probability kept")
     ratio_clip: float = setting(2.0, "clamp of the importance ratio of kept tokens")

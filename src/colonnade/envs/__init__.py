@@ -1,6 +1,7 @@
 """Environments: the interface, the registry, and the built-in tasks.
 
-Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format), `smoke`
+Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format),
+`searchqa2` (its two-hop questions: one search is not enough), `smoke`
 (one turn, learnable in a minute) and `rg:<dataset>`, any dataset of
 reasoning-gym (`pip install 'colonnade[tasks]'`). Users add theirs as a
 module exposing `load_environment(**kwargs)` and name it by import path.

@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -125,6 +126,22 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
     return children
 
 
+def _during(cfg: RunConfig, env, store: ObjectStore, console: Console) -> evaluation.EvalDuring:
+    def said(figures: dict) -> None:
+        console.print(f"held-out at v{figures['version']}: {figures_line(figures)}")
+
+    return evaluation.EvalDuring(
+        store,
+        env,
+        min(cfg.eval_during_n, len(env.tasks("test"))),
+        eval_sampling(cfg),
+        cfg.eval_batch,
+        cfg.eval_every,
+        _engine(cfg),
+        said,
+    )
+
+
 def _watch(
     cfg: RunConfig,
     max_versions: int,
@@ -133,6 +150,7 @@ def _watch(
     console: Console,
     stop: EarlyStop,
     metrics: tuple[Metric, ...] = (),
+    on_version: Callable[[int], None] | None = None,
 ) -> str | None:
     """Until the trainer exits: the EarlyStop reason it was told to stop for, if
     any; raises RunFailed if it fails.
@@ -163,6 +181,8 @@ def _watch(
             console.print(log_line(snap))
             last_line = time.monotonic()
         last_v = snap.version
+        if on_version is not None and snap.version >= 1:
+            on_version(snap.version)
 
     with view or waiting:
         while children[0].alive:
@@ -256,8 +276,13 @@ def _supervise(
         with stop.catching():
             children += _launch_children(cfg, model_path, store)
             _write_launch(store, facts, started)
-            declared = metrics_of(load_environment(cfg.env, **trainer_cfg.env_kwargs))
-            told = _watch(cfg, trainer_cfg.max_versions, store, children, console, stop, declared)
+            env = load_environment(cfg.env, **trainer_cfg.env_kwargs)
+            during = _during(cfg, env, store, console)
+            try:
+                told = _watch(cfg, trainer_cfg.max_versions, store, children, console, stop,
+                              metrics_of(env), during.poll)  # fmt: skip
+            finally:
+                during.close()
             if told is None:  # workers stop by themselves once the trainer is done
                 wait_exit(children[1:], 60)
             stop_all(children)

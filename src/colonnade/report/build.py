@@ -164,7 +164,10 @@ def build_report(store: ObjectStore) -> dict:
         "preset": launch.get("preset"),
         "status": launch.get("status", "unknown"),
         "workers": workers,
-        "eval": {w: _json(store, k) for w, k in keys.EVAL.items()},
+        "eval": {
+            **{w: _json(store, k) for w, k in keys.EVAL.items()},
+            "during": _evals_during(store),
+        },
         "versions_published": versions[-1]["version"] if versions else None,
         "rollouts_consumed": consumed,
         "rollouts_uploaded": uploaded,
@@ -207,6 +210,16 @@ def build_report(store: ObjectStore) -> dict:
         "series": _series(rows, t0),
         "versions": versions,
     }
+
+
+def _evals_during(store: ObjectStore) -> list[dict]:
+    """The run's held-out evals while training (the launcher's), by version."""
+    out = []
+    for key in sorted(store.list(keys.EVAL_DURING)):
+        figures = _json(store, key)
+        if isinstance(figures, dict) and isinstance(figures.get("version"), int):
+            out.append(figures)
+    return out
 
 
 def _spec_settings(spec: RunSpec | None) -> dict:

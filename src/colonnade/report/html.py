@@ -20,10 +20,13 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _learning(series: dict, x: str, label: str) -> str:
+def _learning(series: dict, x: str, label: str, held_out: list[dict] = ()) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(series[x], series["reward_mean"], label="reward (train)")
     ax.plot(series[x], series["pass_rate"], label="pass rate (train)")
+    points = [(e["version"], e["pass_at_1"]) for e in held_out if "pass_at_1" in e]
+    if points:
+        ax.plot(*zip(*points, strict=True), marker="o", label="pass@1 (held out)")
     # what the environment declares (the trainer's rows carry those only)
     for name, values in (series.get("env_metrics") or {}).items():
         points = [(a, b) for a, b in zip(series[x], values, strict=False) if b is not None]
@@ -148,7 +151,10 @@ def render_html(report: dict) -> str:
     figures = []
     if s["version"]:
         figures += [
-            ("Reward and pass rate by version", _learning(s, "version", "version")),
+            (
+                "Reward and pass rate by version",
+                _learning(s, "version", "version", report["eval"].get("during") or []),
+            ),
             ("Reward and pass rate by wall time", _learning(s, "wall_s", "seconds")),
             ("DPPO gate", _gate(s)),
         ]
