@@ -39,7 +39,6 @@ QUARANTINE = "trainer/quarantine.json"
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 EVAL_DURING = "report/eval-during/"  # held-out evals while training: {v:08d}.json (launcher)
-EVAL_DURING = "report/eval-during/"  # held-out evals while training: {v:08d}.json (launcher)
 ROLLOUT_EXT = ".safetensors.zst"
 # Prefixes a process lists (and the trainer cleans of partial uploads).
 WEIGHTS = "weights/"
@@ -122,10 +121,6 @@ def rollouts_dir(v: int) -> str:
 
 def rollout_key(v: int, worker: str, seq: int) -> str:
     return f"{rollouts_dir(v)}{check_worker_id(worker)}/{seq:06d}{ROLLOUT_EXT}"
-
-
-def eval_during_key(v: int) -> str:
-    return f"{EVAL_DURING}{v:08d}.json"
 
 
 def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
