@@ -73,3 +73,42 @@ def test_eval_on_an_unsupported_architecture_exits_2_in_one_line(tmp_path, monke
     code = main(["eval", "--model", str(tmp_path), "--env", "smoke", "-n", "1", "--engine", "mlx"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "'gpt2'" in err[0] and "torch" in err[0]
+
+
+def _run_without_weights(store_dir, tiny_dir):
+    """run.json and the model's files, no version published yet."""
+    from pathlib import Path
+
+    from colonnade.protocol import RunSpec, keys
+    from colonnade.protocol.model_files import model_files
+    from colonnade.store import LocalStore
+
+    store = LocalStore(store_dir)
+    files = model_files(Path(tiny_dir))
+    for name, data in files.items():
+        store.put(keys.model_file(name), data)
+    spec = RunSpec("r", "smoke", {}, sorted(files), 2048, "int8", 4, 2, 1, 10, {})
+    store.put(keys.RUN, spec.to_json())
+    return store
+
+
+def test_a_worker_refuses_the_architecture_before_any_weights(
+    monkeypatch, tmp_path, tiny_dir, capsys
+):
+    from colonnade.config import WorkerConfig
+    from colonnade.rollout.worker import Worker
+
+    store = _run_without_weights(tmp_path, tiny_dir)
+    monkeypatch.setattr(loader, "mlx_missing", lambda: None)
+    monkeypatch.setattr(loader, "ARCHITECTURES", {})  # MLX runs no llama here
+    w = Worker(WorkerConfig(store=str(tmp_path), id="w1", engine="mlx"), store)
+    with pytest.raises(loader.UnsupportedArchitecture, match=r"'llama'.*engines that do: torch"):
+        w.setup()
+    assert getattr(w, "follower", None) is None  # no weights were asked for
+    auto = Worker(WorkerConfig(store=str(tmp_path), id="w2", engine="auto"), store)
+    auto.setup()
+    assert auto.engine_kind == "torch"
+    capsys.readouterr()
+    assert main(["worker", "--store", str(tmp_path), "--engine", "mlx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'llama'" in err[0] and "torch" in err[0]

@@ -112,7 +112,7 @@ def _trainer(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import WorkerConfig, flag_values, load_config
     from colonnade.protocol import ProtocolMismatch
-    from colonnade.rollout.mlx_engine import MlxUnavailable
+    from colonnade.rollout.mlx_engine import MlxUnavailable, UnsupportedArchitecture
     from colonnade.rollout.worker import Quarantined, Worker
 
     from .main import CliError
@@ -126,8 +126,9 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     try:
         return worker.run()
-    # No run.json within join_timeout; refused; a run of another protocol version.
-    except (TimeoutError, Quarantined, ProtocolMismatch) as e:
+    # No run.json within join_timeout; refused; a run of another protocol version;
+    # a model the chosen engine does not run.
+    except (TimeoutError, Quarantined, ProtocolMismatch, UnsupportedArchitecture) as e:
         raise CliError(str(e)) from None
 
 

@@ -146,7 +146,10 @@ class Worker:
                 "have the operator register the .pub file, and pass --key"
             )
         self.env = load_environment(self.spec.env, **self.spec.env_kwargs)
-        model, self.tok = fetch_model(self.store, self.spec)
+        model, self.tok = fetch_model(self.store, self.spec)  # config and tokenizer only
+        # Before any weights: an engine that cannot run this architecture says
+        # so in one line (and `auto` picks one that can).
+        self.engine_kind = resolve_engine(self.cfg.engine, model.config.model_type)
         self.aliases = tied_aliases(model)
         self.device = pick_device(self.cfg.device)
         self.model = model
