@@ -125,3 +125,15 @@ def test_the_smol_preset_is_smollm2_on_searchqa():
     trainer, _ = role_configs(resolve_run_config("smol"))
     assert (trainer.model, trainer.env) == ("smollm2-135m", "searchqa")
     assert trainer.max_episode_tokens == TRAINER_PRESETS["searchqa"]["max_episode_tokens"]
+
+
+def test_docs_configuration_md_is_the_generated_reference():
+    from pathlib import Path
+
+    from colonnade.config.reference import reference
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == reference(), "run: colonnade config doc > docs/configuration.md"
+    for cls in CONFIGS:
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in doc.read_text()

@@ -72,6 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _run_flags(show)
     show.set_defaults(handler=_show)
+    doc = csub.add_parser(
+        "doc",
+        help="print every setting of every role, with its type, default and documentation",
+        description="The settings reference (docs/configuration.md) as Markdown, made from "
+        "the config fields' own documentation.",
+    )
+    doc.set_defaults(handler=_doc)
 
 
 def _resolved(args: argparse.Namespace):
@@ -97,6 +104,13 @@ def _resolved(args: argparse.Namespace):
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+
+
+def _doc(args: argparse.Namespace) -> int:
+    from colonnade.config.reference import reference
+
+    print(reference(), end="")
+    return 0
 
 
 def _show(args: argparse.Namespace) -> int:
