@@ -697,11 +697,17 @@ PARAMS_4B = 4e9
 # bytes per parameter: int8 published weights (what workers download; the row
 # scales are ~0.1%), and a checkpoint (fp32 master weights + two Adam moments).
 INT8_BYTES, CKPT_BYTES = 1.0, 12.0
+# The int8 patch of a real model at a real rate, as a fraction of its int8
+# state: SmolLM2-135M at lr 1e-5 in the PULSE table of docs/benchmarks.md
+# (int8 patch bytes over half the bf16 full bytes). The tiny model at the
+# smoke preset's 3e-4 changes far more of its codes per step.
+SMOLLM2_PATCH_FRACTION = 44_327 / (269_060_520 / 2)
 
 
 def cost_model(s: dict, opts: FleetOptions, workers: int = 100, versions: int = 1000,
                version_seconds: float = 60.0, keep_checkpoints: int = 2,
-               checkpoint_every: int = 5, part_bytes: float = 64 * 2**20) -> dict:  # fmt: skip
+               checkpoint_every: int = 5, part_bytes: float = 64 * 2**20,
+               patch_fraction: float | None = None) -> dict:  # fmt: skip
     """Dollars per `versions` versions for a 4B model and `workers` workers,
     from this run's per-worker requests and its patch fraction (patch bytes
     over the full int8 state), scaled to 4B parameters.
@@ -712,9 +718,12 @@ def cost_model(s: dict, opts: FleetOptions, workers: int = 100, versions: int = 
     small documents it read (measured bytes less the tiny patch). Storage:
     what retention keeps (two anchors, two anchor windows of patches, the
     kept checkpoints) for the run's duration at `version_seconds` a version.
+    `patch_fraction` replaces the measured one (e.g. SMOLLM2_PATCH_FRACTION).
     """
     full = PARAMS_4B * INT8_BYTES
     fraction = s["patch_bytes_mean"] / s["full_bytes"] if s["full_bytes"] else 0.0
+    if patch_fraction is not None:
+        fraction = patch_fraction
     patch = fraction * full
     docs = max(0.0, s["down_bytes_per_worker_per_version"] - s["patch_bytes_mean"])
     w = s["requests_per_worker_per_version_by_verb"]
@@ -856,6 +865,9 @@ def run(args: argparse.Namespace) -> int:
             "requests_per_worker_per_version", "waste_fraction", "seconds")}  # fmt: skip
     summary["joiner_bound"] = joiner_bound(summary, main_opts.anchor_every)
     summary["cost_per_1000_versions"] = cost_model(summary, main_opts)
+    summary["cost_per_1000_versions_smollm2_patch"] = cost_model(
+        summary, main_opts, patch_fraction=SMOLLM2_PATCH_FRACTION
+    )
     summary["targets"] = verdict(summary)
     print(render(table, summary))
     if args.json:
@@ -921,10 +933,12 @@ def render(table: list[dict], s: dict) -> str:
             f"trainer wait: {100 * s['trainer_wait_fraction']:.1f}% with {s['workers']} workers, "
             f"{100 * b['trainer_wait_fraction']:.1f}% with {b['workers']}"
         )
-    c = s["cost_per_1000_versions"]
+    c, r = s["cost_per_1000_versions"], s["cost_per_1000_versions_smollm2_patch"]
     lines.append(
         f"cost per 1,000 versions, 4B model, 100 workers: R2 ${c['r2']['total']}, "
-        f"S3 ${c['s3']['total']} ({c['assumptions']['prices']})"
+        f"S3 ${c['s3']['total']} with this run's patch fraction "
+        f"({c['assumptions']['patch_fraction']}); R2 ${r['r2']['total']}, S3 "
+        f"${r['s3']['total']} with SmolLM2's at lr 1e-5 ({c['assumptions']['prices']})"
     )
     lines.append("targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
                                          for k, v in s["targets"].items()))  # fmt: skip
