@@ -6,6 +6,12 @@ that token followed by the environment's reply when a turn has just ended
 the left padding is stored in the cache but masked out of every later query,
 so an episode extends its own KV prefix and is never recomputed, and the
 episodes of a batch end independently (finished rows leave the cache).
+
+Pad columns sit inside rows (left padding, and the pads before each shorter
+chunk), so a sliding-window layer cannot count cache columns: every layer
+keeps every column, and a windowed layer's mask admits the keys within its
+window of the query in real-token positions (the same as a teacher-forced
+pass over the row alone).
 """
 
 from __future__ import annotations
@@ -96,6 +102,14 @@ class Layout:
         self.real, self.pos = keys, self.pos + lens
         return ids.to(self.device), positions, allowed[:, None]
 
+    def windowed(self, allowed: torch.Tensor, window: int) -> torch.Tensor:
+        """`allowed` (this step's block mask) narrowed to keys fewer than `window`
+        real tokens behind each query: positions count real tokens, not columns."""
+        width = allowed.shape[-2]
+        kpos = self.real.long().cumsum(dim=1)  # [B, keys]: real tokens up to each column
+        near = kpos[:, -width:, None] - kpos[:, None, :] < window
+        return allowed & near[:, None]
+
     def _dense(self, chunks: Sequence[Sequence[int]]):
         width = len(chunks[0])
         ids = torch.tensor(chunks, dtype=torch.long, device=self.device)
@@ -158,14 +172,18 @@ class _TorchSession:
     def __init__(self, engine: Engine, batch: int):
         from transformers import DynamicCache
 
+        # No config: every layer a full `DynamicLayer`, sliding ones too, so
+        # the cache keeps every column and can be cut, padded and joined by
+        # column like the layout; windows are applied in the mask (`_mask`).
         self.engine, self.cache = engine, DynamicCache()
         self.layout = Layout(batch, engine.device)
+        self.windows = layer_windows(engine.model.config)
 
     def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
         out = self.engine.model(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=self._mask(mask),
             position_ids=positions,
             **{self.engine.cache_arg: self.cache},
             use_cache=True,
@@ -173,27 +191,51 @@ class _TorchSession:
         )
         return out.logits[:, -1, :]
 
+    def _mask(self, allowed: torch.Tensor | None):
+        """The block mask as the model takes it: one tensor, or one per layer type.
+
+        None (no pad column yet) leaves the masks to transformers, whose
+        column positions are then real-token positions.
+        """
+        if allowed is None or not any(self.windows.values()):
+            return allowed
+        masks = {
+            kind: allowed if window is None else self.layout.windowed(allowed, window)
+            for kind, window in self.windows.items()
+        }
+        return masks.get(None, masks)
+
     def keep(self, rows: list[int]) -> None:
         self.cache.batch_select_indices(self.layout.keep(rows))
-        # A sliding-window layer keeps its own last columns, not the
-        # layout's: its cache is never cut or padded by column here.
-        drop = self.layout.trim() if self._full_attention() else 0
+        drop = self.layout.trim()
         if drop:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
 
-    def _full_attention(self) -> bool:
-        return not any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
-
     def extend(self, other: _TorchSession) -> None:
-        if not (self._full_attention() and other._full_attention()):
-            raise ValueError("continuous batching (max_rows) needs full-attention layers")
         pad_a, pad_b = self.layout.extend(other.layout)
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             mine.keys = torch.cat([_left_pad(mine.keys, pad_a), _left_pad(theirs.keys, pad_b)])
             mine.values = torch.cat(
                 [_left_pad(mine.values, pad_a), _left_pad(theirs.values, pad_b)]
             )
+
+
+def layer_windows(config) -> dict[str | None, int | None]:
+    """{layer type: its attention window, None for full attention}, as the
+    model takes its masks: keyed by `config.layer_types` (Gemma 3, Qwen2/3:
+    a dict of masks), or the single key None (Llama, Mistral, Phi-3: one
+    mask, windowed everywhere when `sliding_window` is set).
+    """
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None)
+    if kinds is None:
+        return {None: window}
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"the torch engine runs full and sliding attention, not {sorted(unknown)}")
+    return {kind: window if kind == "sliding_attention" else None for kind in kinds}
 
 
 def _left_pad(t: torch.Tensor, columns: int) -> torch.Tensor:
