@@ -127,7 +127,7 @@ class WorkerRow:
     sync_seconds: float = 0.0  # apply_seconds + load_seconds
     apply_seconds: float = 0.0  # download, patch, hash check (beside generation)
     load_seconds: float = 0.0  # changed tensors into the engine (generation stalls)
-    paced_seconds: float = 0.0  # idle: its version had a step's worth of groups
+    paced_seconds: float = 0.0  # idle: the demand had no slot for the version it runs
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
