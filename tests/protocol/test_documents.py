@@ -281,11 +281,13 @@ def test_row_readers_read_no_row_by_string_key(module):
         ):
             keyed.add(node.args[0].value)
     # .get("name") on rows is gone; what is left reads other documents.
-    own = {"started", "wall_s", "model", "preset", "status", "env", "groups",
-           "batches_rejected", "batches_dropped_stale", "groups_rejected"}  # fmt: skip
+    # (config: the launch document's settings; version: an eval document's)
+    own = {"started", "wall_s", "model", "preset", "status", "env", "groups", "config",
+           "version", "batches_rejected", "batches_dropped_stale", "groups_rejected"}  # fmt: skip
     assert keyed <= own, keyed - own
     # the counters read by name are declared ones
-    declared(keyed & (own - {"started", "wall_s", "model", "preset", "status", "env"}))
+    declared(keyed & (own - {"started", "wall_s", "model", "preset", "status", "env", "config",
+                             "version"}))  # fmt: skip
 
 
 def test_row_readers_read_only_declared_fields(tmp_path):
