@@ -4,6 +4,7 @@ python liar_worker.py --store DIR --id NAME
 """
 
 import argparse
+import logging
 import sys
 
 from colonnade.config import WorkerConfig
@@ -24,4 +25,5 @@ if __name__ == "__main__":
     p.add_argument("--store", required=True)
     p.add_argument("--id", required=True)
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sys.exit(LiarWorker(WorkerConfig(store=a.store, id=a.id)).run())

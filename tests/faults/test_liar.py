@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,14 @@ from colonnade.telemetry import read_rows
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 HERE = Path(__file__).parent
+
+
+def _wait_for_line(tmp_path, names, line: str, procs, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(line in (tmp_path / f"{n}.log").read_text() for n in names):
+        assert time.monotonic() < deadline, f"no {line!r} in every log of {names}"
+        assert all(p.poll() is None for p in procs), "a worker exited before the run began"
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)
@@ -41,13 +50,19 @@ def test_a_lying_worker_is_quarantined(tmp_path):
     )
     logs = {n: (tmp_path / f"{n}.log").open("w") for n in ("trainer", "honest", "liar")}
     procs = [
-        subprocess.Popen([*cli, "trainer", "--config", str(cfg), "--preset", "smoke"],
-                         env=env, stdout=logs["trainer"], stderr=subprocess.STDOUT),
         subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest"],
                          env=env, stdout=logs["honest"], stderr=subprocess.STDOUT),
         subprocess.Popen([sys.executable, str(HERE / "liar_worker.py"), "--store", str(root),
                           "--id", "liar"], env=env, stdout=logs["liar"], stderr=subprocess.STDOUT),
     ]  # fmt: skip
+    # Both workers wait for the run before it starts: the fleet makes what the
+    # trainer asks for, so a worker still starting up (seconds on a loaded
+    # machine) would find a run of 8 short versions already over.
+    _wait_for_line(tmp_path, ("honest", "liar"), "waiting for run.json", procs)
+    trainer = [*cli, "trainer", "--config", str(cfg), "--preset", "smoke"]
+    procs.insert(
+        0, subprocess.Popen(trainer, env=env, stdout=logs["trainer"], stderr=subprocess.STDOUT)
+    )
     try:
         assert procs[0].wait(timeout=280) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         liar_exit = procs[2].poll()

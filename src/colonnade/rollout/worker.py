@@ -91,11 +91,14 @@ class Stop:
 
 
 def wait_for_run(store: ObjectStore, timeout: float, poll: float) -> RunSpec:
-    t0 = time.monotonic()
+    t0, said = time.monotonic(), False
     while True:
         try:
             return RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
         except NotFound:
+            if not said:
+                log.info("waiting for run.json under %s (up to %.0f s)", store.url, timeout)
+                said = True
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"no run.json under {store.url} after {timeout:.0f} s") from None
             time.sleep(poll)
