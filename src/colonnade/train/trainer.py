@@ -553,13 +553,21 @@ class Trainer:
         signal.signal(signal.SIGTERM, handler)
 
     def run(self) -> None:
+        finished = False
         try:
             if self.where.leader:
                 self._lead()
             else:
                 self.follow()
+            finished = True
         finally:
             self.background.close()
+            if finished:
+                # Every rank is past its last collective before any tears the
+                # group down: a gloo rank whose peer left mid-teardown was once
+                # aborted at exit (SIGABRT after "done"). Not after an error: a
+                # dead peer would hold the barrier until the group's timeout.
+                self.where.barrier()
             self.where.close()
 
     def _lead(self) -> None:
