@@ -189,3 +189,52 @@ def test_idle_delays_follow_the_version_interval():
     assert idle_delay(60.0, 0.0, 0, 1.0) == pytest.approx(48.0)  # asleep until about due
     assert idle_delay(60.0, 50.0, 1, 1.0) == pytest.approx(6.0)  # then a tenth
     assert idle_delay(0.1, 0.2, 1, 1.0) == 0.02  # never more than 50 a second
+
+
+class _Outage:
+    """The store under a worker: put_if_absent fails `n` times (after writing
+    the object when `lands`, as a put whose answer was lost), then works."""
+
+    def __init__(self, store, n, lands):
+        self.store, self.n, self.lands = store, n, lands
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def put_if_absent(self, key, data):
+        from colonnade.store.errors import StoreUnavailable
+
+        if self.n > 0:
+            self.n -= 1
+            if self.lands:
+                self.store.put_if_absent(key, data)
+            raise StoreUnavailable(f"outage: {key}")
+        return self.store.put_if_absent(key, data)
+
+
+@pytest.mark.parametrize("lands", [False, True], ids=["lost", "landed"])
+def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands):
+    from colonnade.store import StoreError
+
+    w, store = _worker(tmp_path)
+    _publish(store, 3, slots=1)
+    w._poll()
+    w.store = _Outage(store, 3, lands)
+    for _ in range(3):
+        with pytest.raises(StoreError):
+            w.claim()
+    # The store is back: the one slot is still this worker's to make, whether
+    # the failed puts wrote it or not (no wait for a demand that never changes).
+    assert w.claim() and w.claims == 1
+    assert not w.claim()  # and only once
+    held = [Claim.from_json(store.get(k)).worker for k in store.list(keys.claims_dir(3))]
+    assert held == ["w1"]
+
+
+def test_a_slot_another_worker_holds_is_not_taken_for_ones_own(tmp_path):
+    w, store = _worker(tmp_path)
+    _publish(store, 3, slots=1)
+    w._poll()
+    store.put_if_absent(keys.claim_key(3, 0), Claim("other", 1.0).to_json())
+    w.unsure.add(keys.claim_key(3, 0))  # even after a failed put of its own
+    assert not w.claim()

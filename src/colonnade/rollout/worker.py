@@ -138,6 +138,9 @@ class Worker:
         self.pointer: Latest | None = None  # the last latest.json read: version, demand, done
         self.taken: tuple[int | None, set[int]] = (None, set())  # (version, slots found taken)
         self.claims = 0  # slots claimed by this process
+        # Claims whose put failed (an outage): it may have landed all the same,
+        # so a retry that finds the slot taken reads whose it is.
+        self.unsure: set[str] = set()
         self._quarantined_seen = 0
         self._beat = 0.0  # when the last heartbeat went up
 
@@ -345,12 +348,30 @@ class Worker:
         free = self.free_slots()
         v = self.running_version
         for slot in random.sample(free, min(CLAIM_TRIES, len(free))):
-            self.taken[1].add(slot)  # ours or another's: not free either way
-            doc = Claim(self.id, time.time()).to_json()
-            if self.store.put_if_absent(keys.claim_key(v, slot), doc):
+            key = keys.claim_key(v, slot)
+            try:
+                won = self.store.put_if_absent(key, Claim(self.id, time.time()).to_json())
+            except StoreError:
+                # Not marked taken: the slot stays this worker's to try again
+                # once the store answers (marking it would leave a worker that
+                # saw an outage with no free slot and a demand that never changes).
+                self.unsure.add(key)
+                raise
+            if won or (key in self.unsure and self._mine(key)):
+                self.unsure.discard(key)
+                self.taken[1].add(slot)
                 self.claims += 1
                 return True
+            self.taken[1].add(slot)  # another's
         return False
+
+    def _mine(self, key: str) -> bool:
+        """Whether the claim at `key` is this worker's (a put that failed but landed)."""
+        try:
+            found = read_document(self.store, key, Claim)
+        except SchemaError:
+            return False
+        return found is not None and found.worker == self.id
 
     def wait_for_work(self) -> None:
         """Nothing to make: wait until latest.json changes (a new version, new
