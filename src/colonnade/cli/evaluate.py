@@ -132,11 +132,11 @@ def run_eval(
     a task at temperature 0), and with `show` the first `show` sampled episodes."""
     from dataclasses import replace
 
-    from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_texts_of
+    from colonnade.envs import load_environment, tokenizer_texts_of
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
     from colonnade.rollout import load_engine
-    from colonnade.rollout.evaluate import episodes, sample_of, summarize
+    from colonnade.rollout.evaluate import evaluate
 
     env = load_environment(env_name, **(env_kwargs or {}))
     tasks = list(env.tasks(split))[:n]
@@ -152,7 +152,7 @@ def run_eval(
     with Tracker("eval", len(tasks) * (k + greedy), _console()) as bar:
         for name, p, samples in passes:
             done = out.get("n", 0) * k if name == "greedy" else 0
-            results = episodes(
+            figures = evaluate(
                 runner,
                 env,
                 tasks,
@@ -163,13 +163,10 @@ def run_eval(
                     done + d, f"{name} pass@1 {passed:.3f}"
                 ),
                 samples,
+                show=show if name == "sampled" else 0,
             )
-            figures = summarize(results, success_of(env), samples, metrics_of(env))
             if name == "sampled":
                 out.update(figures)
-                if show:
-                    rule = success_of(env)
-                    out["samples"] = [sample_of(runner.tokenizer, r, rule) for r in results[:show]]
             else:
                 out["greedy"] = figures
     out["temperature"] = params.temperature

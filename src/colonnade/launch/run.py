@@ -133,7 +133,7 @@ def _during(cfg: RunConfig, env, store: ObjectStore, console: Console) -> evalua
     return evaluation.EvalDuring(
         store,
         env,
-        min(cfg.eval_during_n, len(env.tasks("test"))),
+        cfg.eval_during_n,  # run_eval takes at most the test split
         eval_sampling(cfg),
         cfg.eval_batch,
         cfg.eval_every,

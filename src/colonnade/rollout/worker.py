@@ -357,12 +357,11 @@ class Worker:
                 # saw an outage with no free slot and a demand that never changes).
                 self.unsure.add(key)
                 raise
+            self.taken[1].add(slot)  # ours or another's: not free either way
             if won or (key in self.unsure and self._mine(key)):
                 self.unsure.discard(key)
-                self.taken[1].add(slot)
                 self.claims += 1
                 return True
-            self.taken[1].add(slot)  # another's
         return False
 
     def _mine(self, key: str) -> bool:
