@@ -2,13 +2,16 @@
 still use is kept: a joiner reaches the newest version, a follower up to an
 anchor window behind still patches forward, a resumed trainer finds its window."""
 
+import os
+import time
+
 import pytest
 import torch
 
 from colonnade import pulse
 from colonnade.protocol import Follower, Publisher, keys, latest_version, read_meta
 from colonnade.store import AccessDenied, LocalStore
-from colonnade.train.retention import Retention, garbage
+from colonnade.train.retention import Retention, departed, garbage
 
 K, LAG = 4, 1
 
@@ -35,6 +38,30 @@ def test_garbage_is_what_no_step_or_joiner_can_use():
         "rollouts/00000007/w1/000000.json.zst",
         "weights/00000003/meta.json",
     ]
+
+
+def test_departed_are_the_heartbeats_silent_past_the_limit():
+    times = {
+        "workers/gone.json": 500.0,
+        "workers/here.json": 4500.0,
+        "workers/just.json": 900.0 + 100.0,
+        "workers/not a worker.json": 0.0,
+    }
+    assert departed(times, now=4600.0, after=3600.0) == ["workers/gone.json", "workers/just.json"]
+    assert departed(times, now=4599.0, after=3600.0) == ["workers/gone.json"]
+
+
+def test_a_sweep_forgets_departed_workers_and_keeps_the_others(tmp_path):
+    store = LocalStore(tmp_path)
+    for w in ("old", "new"):
+        store.put(keys.worker_key(w), b"{}")
+    store.put("metrics/worker-old/000000.jsonl", b"{}\n")
+    past = time.time() - 7200
+    os.utime(tmp_path / keys.worker_key("old"), (past, past))
+    assert Retention(store, LAG, K, forget_workers_seconds=3600).sweep(0) == 1
+    assert store.list("workers/") == [keys.worker_key("new")]
+    assert store.list("metrics/") == ["metrics/worker-old/000000.jsonl"]  # the record stays
+    assert Retention(store, LAG, K, enabled=False).sweep(1) == 0
 
 
 def _states(n, seed=0):

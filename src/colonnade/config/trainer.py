@@ -97,6 +97,11 @@ class TrainerConfig:
         False, "resume even if another trainer's heartbeat is fresh (it is dead)"
     )
     heartbeat_timeout: float = setting(60.0, "seconds after which a silent worker counts as gone")
+    forget_workers_seconds: float = setting(
+        3600.0,
+        "retention deletes the heartbeat of a worker silent this long (its metrics stay; "
+        "it writes a new one if it comes back)",
+    )
     metrics_port: int | None = setting(
         None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )
@@ -153,6 +158,10 @@ def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
         ("keep_checkpoints >= 1", c.keep_checkpoints >= 1),
         ("poll_seconds > 0", c.poll_seconds > 0),
         ("heartbeat_timeout > 0", c.heartbeat_timeout > 0),
+        (
+            "forget_workers_seconds > heartbeat_timeout",
+            c.forget_workers_seconds > c.heartbeat_timeout,
+        ),
         ("store_outage_seconds >= 0", c.store_outage_seconds >= 0),
         ("quarantine_factor >= 0", c.quarantine_factor >= 0),
         ("quarantine_min_tokens >= 0", c.quarantine_min_tokens >= 0),

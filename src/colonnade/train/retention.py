@@ -12,7 +12,11 @@ more (`garbage`):
 - weights below the newest anchor's previous anchor: a joiner needs the
   newest anchor and the patches after it; a follower up to one anchor window
   behind the newest anchor still finds its patches; older ones fall back to
-  the anchor, as they would anyway.
+  the anchor, as they would anyway;
+- heartbeats of workers silent for `forget_workers_seconds` (an hour by
+  default): a fleet with churn would otherwise list one more object per
+  worker that ever joined. A worker that comes back writes a new one; its
+  metric segments stay (they are the run's record).
 
 Checkpoints are pruned where they are written (`keep_checkpoints`). Deletes
 run in the publication's background job, off the critical path. A store
@@ -24,6 +28,7 @@ done server-side with a lifecycle rule (docs/protocol.md).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from colonnade.protocol import keys
@@ -57,12 +62,23 @@ def garbage(listing: list[str], v: int, max_lag: int, anchor_every: int) -> list
     return out
 
 
+def departed(heartbeat_times: dict[str, float], now: float, after: float) -> list[str]:
+    """The heartbeat keys among `heartbeat_times` ({key: last written}) not
+    rewritten for `after` seconds."""
+    return sorted(
+        k
+        for k, t in heartbeat_times.items()
+        if keys.parse_worker_key(k) is not None and now - t >= after
+    )
+
+
 @dataclass
 class Retention:
     store: ObjectStore
     max_lag: int
     anchor_every: int
     enabled: bool = True
+    forget_workers_seconds: float = 3600.0
     deleted: int = 0  # objects deleted by this trainer
 
     def sweep(self, v: int) -> int:
@@ -77,6 +93,9 @@ class Retention:
         doomed = garbage(listing, v, self.max_lag, self.anchor_every)
         # meta.json first, so a version is gone before its payloads are.
         doomed.sort(key=lambda k: (not k.endswith("/meta.json"), k))
+        doomed += departed(
+            self.store.list_times(keys.WORKERS), time.time(), self.forget_workers_seconds
+        )
         try:
             self.store.delete_many(doomed)
         except StoreUnavailable:

@@ -193,7 +193,11 @@ class Trainer:
             exporter = Exporter(cfg.metrics_port, "main", env_metrics=metrics_of(self.env))
         self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
         self.retention = Retention(
-            self.store, cfg.max_lag, cfg.anchor_every, enabled=not cfg.retain_all
+            self.store,
+            cfg.max_lag,
+            cfg.anchor_every,
+            enabled=not cfg.retain_all,
+            forget_workers_seconds=cfg.forget_workers_seconds,
         )
         self.planner = Planner(
             self.store, cfg.groups_per_step, cfg.groups_per_batch, cfg.max_lag,
