@@ -26,6 +26,7 @@ from colonnade.protocol import (
     read_meta,
 )
 from colonnade.protocol.schemas import batch_bytes_bound, content_digest, pack_batch
+from colonnade.protocol.weights import read_latest
 from colonnade.store import LocalStore
 
 
@@ -77,7 +78,7 @@ def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
         "lengths": ("<i4", (2,)),
     }
     _, fields, _ = split(_batch())
-    assert fields == {"protocol": 4, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
+    assert fields == {"protocol": 5, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
                       "stats": {"reward": 0.5},
                       "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
 
@@ -268,11 +269,11 @@ def test_headers_that_lie_about_their_size_or_nest_are_rejected():
 def test_a_json_batch_of_protocol_2_is_refused_naming_both_versions():
     doc = {"engine": "torch", "groups": [], "seq": 0, "stats": {}, "version": 0, "worker": "w1"}
     old = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 4"):
+    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 5"):
         decode_batch(old, 100, 16)
     _, fields, tensors = split(_batch())
-    for theirs in (2, 3, 5, "4", 4.0, True):  # 3: a worker of the release before claims
-        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 4"):
+    for theirs in (2, 3, 4, 6, "5", 5.0, True):  # 4: a worker of the release before
+        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 5"):
             decode_batch(forge({**fields, "protocol": theirs}, tensors), 100, 16)
 
 
@@ -325,9 +326,9 @@ def test_run_spec_round_trip_and_validation():
     with pytest.raises(SchemaError, match="precision"):
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
     # 1: the SHA-256 protocol, 2: JSON batches, of earlier releases
-    for old in (b'"protocol":1', b'"protocol":3', b'"protocol":9', b'"protocol":4.0'):
-        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 4"):
-            RunSpec.from_json(spec.to_json().replace(b'"protocol":4', old))
+    for old in (b'"protocol":1', b'"protocol":4', b'"protocol":9', b'"protocol":5.0'):
+        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 5"):
+            RunSpec.from_json(spec.to_json().replace(b'"protocol":5', old))
 
 
 def test_run_spec_without_groups_per_step_is_read_as_unpaced():
@@ -403,6 +404,20 @@ def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
     with pytest.raises(VersionError):
         f.sync(3)
     assert f.version == 2 and f.state_hash == metas[2].state_hash
+
+
+def test_latest_carries_the_trainers_seconds_per_version(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store, "bf16", anchor_every=10)
+    states = _states(3)
+    pub.publish(states[0])
+    assert read_latest(store).version_seconds is None  # one version: no interval yet
+    pub.publish(states[1])
+    first = read_meta(store, 1).created - read_meta(store, 0).created
+    assert read_latest(store).version_seconds == pytest.approx(first, abs=1e-3)
+    pub.publish(states[2])
+    second = read_meta(store, 2).created - read_meta(store, 1).created
+    assert read_latest(store).version_seconds == pytest.approx(0.8 * first + 0.2 * second, abs=2e-3)
 
 
 def test_a_second_publisher_cannot_overwrite_a_version(tmp_path):
@@ -485,9 +500,9 @@ def test_a_worker_refuses_a_run_of_another_protocol_in_one_line(tmp_path, capsys
 
     spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {})
     store = LocalStore(tmp_path)
-    # A run of the release before demand-driven generation: refused, naming both.
-    store.put(keys.RUN, spec.to_json().replace(b'"protocol":4', b'"protocol":3'))
+    # A run of the release before: refused, naming both.
+    store.put(keys.RUN, spec.to_json().replace(b'"protocol":5', b'"protocol":4'))
     assert main(["worker", "--store", str(tmp_path), "--id", "w1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert "run.json speaks protocol 3; this colonnade speaks 4" in err
+    assert "run.json speaks protocol 4; this colonnade speaks 5" in err

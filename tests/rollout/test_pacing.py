@@ -182,6 +182,22 @@ def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_pa
         assert set(polled.counts) == {"get"}
 
 
+def test_a_joiner_paces_its_first_wait_by_the_trainers_interval(tmp_path, clock):
+    w, store = _worker(tmp_path)
+    _publish(store, 3)
+    meta = w._poll().meta
+    store.put(keys.LATEST, Latest(3, meta, demand=w.pointer.demand, version_seconds=60.0).to_json())
+    w._poll()
+    w._synced_at = clock.now  # it has just installed v3, the first version it saw
+    assert w.version_gap is None and w.pace() == 60.0
+    w.store = polled = PublishAt(store, clock, at=clock.now + 60.0)
+    w.wait_for_work()
+    # Without the hint it would have looked ~20 times (doubling from 0.05 s to 1 s).
+    assert w.pointer.version == 4 and 2 <= polled.polls <= 3, polled.polls
+    w.version_gap = 5.0
+    assert w.pace() == 5.0  # its own measure wins once it has one
+
+
 def test_idle_delays_follow_the_version_interval():
     assert idle_delay(None, 0.0, 0, 1.0) == 0.05  # nothing seen yet: look soon...
     assert idle_delay(None, 0.0, 3, 1.0) == 0.4  # ...then less often

@@ -1,4 +1,4 @@
-"""Object keys of protocol v4, all relative to the run prefix (docs/protocol.md).
+"""Object keys of protocol v5, all relative to the run prefix (docs/protocol.md).
 
 | key                                        | writer         |
 |--------------------------------------------|----------------|
@@ -29,7 +29,9 @@ import re
 # 3: rollout batches are binary: zstd over safetensors (int32 ids, float32 log-probs).
 # 4: demand-driven generation: latest.json carries the trainer's demand; a worker
 #    claims a slot (claims/{v}/{slot}.json) before it makes a batch.
-PROTOCOL_VERSION = 4
+# 5: latest.json carries the trainer's seconds per version, so that a joiner
+#    polls at the pace of the versions from its first look.
+PROTOCOL_VERSION = 5
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"

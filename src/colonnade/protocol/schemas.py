@@ -246,6 +246,10 @@ class Latest:
     done: bool = False  # the run is over (trainer/done.json is written too)
     quarantined: int = 0  # quarantine decisions so far
     demand: Demand | None = None  # what workers may claim; None: nothing (yet)
+    # The trainer's moving average of the time between versions (protocol 5):
+    # a worker that has just joined paces its polls by it, before it has
+    # seen two versions of its own. None until two versions were published.
+    version_seconds: float | None = None
 
     def to_json(self) -> bytes:
         return dumps(asdict(self))
@@ -258,7 +262,9 @@ class Latest:
         _need(_int(d["version"]) and meta.version == d["version"], "version: its meta's")
         _need(isinstance(d["done"], bool) and _int(d["quarantined"]), "done/quarantined")
         demand = None if d["demand"] is None else Demand.from_dict(d["demand"])
-        return cls(d["version"], meta, d["done"], d["quarantined"], demand)
+        gap = d["version_seconds"]
+        _need(gap is None or (_num(gap) and gap >= 0), "version_seconds: null or >= 0")
+        return cls(d["version"], meta, d["done"], d["quarantined"], demand, gap)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
+from .polling import moving_gap
 from .schemas import MAX_JSON_BYTES, Demand, Latest, SchemaError, VersionMeta
 
 State = Mapping[str, torch.Tensor]
@@ -58,6 +59,7 @@ class Publisher:
         self.meta: VersionMeta | None = None  # of `version`, once published here
         self.quarantined = 0  # decisions so far, announced in latest.json
         self.demand: Demand | None = None  # announced in latest.json
+        self.version_seconds: float | None = None  # moving average, announced too
         # latest.json is written by the publication (a background job) and
         # by the trainer's main thread when the demand changes mid-version.
         self._pointing = threading.Lock()
@@ -112,6 +114,9 @@ class Publisher:
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         with self._pointing:
+            if self.meta is not None and self.meta.version == v - 1:
+                gap = max(0.0, meta.created - self.meta.created)
+                self.version_seconds = moving_gap(self.version_seconds, gap)
             self.meta = meta
             if demand is not None:
                 self.demand = demand
@@ -143,7 +148,8 @@ class Publisher:
             self.meta = read_meta(self.store, self.version)
         if self.meta is not None:
             demand = None if done else self.demand
-            latest = Latest(self.meta.version, self.meta, done, self.quarantined, demand)
+            gap = None if self.version_seconds is None else round(self.version_seconds, 3)
+            latest = Latest(self.meta.version, self.meta, done, self.quarantined, demand, gap)
             self.store.put(keys.LATEST, latest.to_json())
 
 

@@ -379,7 +379,7 @@ class Worker:
         seen, t0, polls = self.pointer, time.monotonic(), 0
         try:
             while not self.stop.requested:
-                delay = idle_delay(self.version_gap, time.monotonic() - self._synced_at,
+                delay = idle_delay(self.pace(), time.monotonic() - self._synced_at,
                                    polls, self.cfg.poll_seconds)  # fmt: skip
                 self._nap(delay)
                 if self.stop.requested:
@@ -393,6 +393,13 @@ class Worker:
                     return
         finally:
             self.pending_time["paced_seconds"] += time.monotonic() - t0
+
+    def pace(self) -> float | None:
+        """Seconds between versions: measured here once two versions came in
+        a row, before that the trainer's own figure from latest.json."""
+        if self.version_gap is not None:
+            return self.version_gap
+        return self.pointer.version_seconds if self.pointer is not None else None
 
     def _nap(self, seconds: float) -> None:
         end = time.monotonic() + seconds
