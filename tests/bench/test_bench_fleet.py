@@ -61,6 +61,8 @@ def test_a_small_fleet_counts_add_up(tiny_dir, tmp_path):
     assert s["groups_uploaded"] >= s["groups_trained"]
     assert s["waste_fraction"] == pytest.approx(1 - 48 / s["groups_uploaded"], abs=1e-4)
     assert 0 <= s["trainer_wait_fraction"] <= 1
+    polls = s["latest_polls_per_worker_per_version"]
+    assert 0 < polls <= s["requests_per_worker_per_version_by_verb"]["get"]
 
     # The joiner came from nothing: run.json, model files, one anchor, patches.
     j = s["joiner"]
@@ -85,6 +87,9 @@ def test_a_view_adds_its_round_trip_and_bandwidth(tmp_path):
     assert store.get("a/b") == b"x" * 1000 and store.list("a/") == ["a/b"]
     snap = tally.snapshot()
     assert dict(snap["requests"]["w"]) == {"put": 1, "get": 1, "list": 1}
+    store.put("weights/latest.json", b"{}")
+    store.get("weights/latest.json")
+    assert tally.snapshot()["polls"]["w"] == 1  # latest.json reads, among the gets
     assert snap["down"]["w"] == snap["up"]["w"] == 1000
     link = Link(0.05, 8.0)
     assert link.delay(0) == pytest.approx(0.05)

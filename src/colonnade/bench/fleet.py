@@ -636,6 +636,12 @@ def summarize(res: RunResult) -> dict:
             for v in VERBS
             if trainer_verbs[v] > 0
         },
+        # The polls among the gets: what pacing (polling.py) decides.
+        "latest_polls_per_worker_per_version": _ratio(
+            sum(_workers(last.tally["polls"]).values())
+            - sum(_workers(first.tally["polls"]).values()),
+            span,
+        ),
         "down_bytes_per_worker_per_version": round((_down(last.tally) - _down(first.tally)) / span),
         "down_bytes_per_worker": round(_down(final) / max(1, len(_workers(final["down"])))),
         "groups_uploaded": made,
@@ -913,7 +919,8 @@ def render(table: list[dict], s: dict) -> str:
     verbs = ", ".join(f"{v} {n}" for v, n in s["requests_per_worker_per_version_by_verb"].items())
     lines += [
         f"steady state (v{s['warmup_versions']}..v{s['versions']}): "
-        f"{s['requests_per_worker_per_version']} requests per worker per version ({verbs}); "
+        f"{s['requests_per_worker_per_version']} requests per worker per version ({verbs}; "
+        f"latest.json polls {s['latest_polls_per_worker_per_version']}); "
         f"{s['down_bytes_per_worker_per_version']} B down per worker per version",
         f"follower anchor downloads {s['follower_anchor_downloads']}; waste "
         f"{100 * s['waste_fraction']:.1f}% ({s['groups_trained']} of {s['groups_uploaded']} "

@@ -6,7 +6,7 @@
 - counts its requests by verb (the `ObjectStore` method called: `get`,
   `put`, `put_if_absent`, `size`, `list`, `delete`, `put_file`, `get_file`)
   and the payload bytes down and up, under its client's name, in a `Tally`
-  shared by all views;
+  shared by all views (reads of `latest.json`, the polls, also on their own);
 - delays every request by one round trip (`Link.latency_s`) plus its payload's
   transfer time over the client's own link (`Link.bytes_per_s`): a worker's
   threads (its loop and its background fetch) share one home line, so a
@@ -76,6 +76,7 @@ class Tally:
     down: Counter = field(default_factory=Counter)  # client -> payload bytes read
     up: Counter = field(default_factory=Counter)  # client -> payload bytes written
     anchors: Counter = field(default_factory=Counter)  # client -> full.safetensors reads
+    polls: Counter = field(default_factory=Counter)  # client -> latest.json reads
     uploads: Counter = field(default_factory=Counter)  # version -> rollout batches written
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -89,6 +90,10 @@ class Tally:
         with self._lock:
             self.anchors[client] += 1
 
+    def polled(self, client: str) -> None:
+        with self._lock:
+            self.polls[client] += 1
+
     def uploaded(self, version: int) -> None:
         with self._lock:
             self.uploads[version] += 1
@@ -101,6 +106,7 @@ class Tally:
                 "down": Counter(self.down),
                 "up": Counter(self.up),
                 "anchors": Counter(self.anchors),
+                "polls": Counter(self.polls),
                 "uploads": Counter(self.uploads),
             }
 
@@ -152,6 +158,8 @@ class WanStore(ObjectStore):
         self.tally.add(self.client, "get", down=len(data))
         if is_anchor(key):
             self.tally.anchor(self.client)
+        elif key == keys.LATEST:
+            self.tally.polled(self.client)
         return data
 
     def put(self, key: str, data: bytes) -> None:
