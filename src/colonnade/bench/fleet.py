@@ -47,9 +47,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from colonnade.config.flags import add_flags, flag_values
+from colonnade.config.loading import setting
 
 from .fleet_store import VERBS, Link, Tally, WanStore
 
@@ -76,20 +79,22 @@ CLASS_B = ("get", "size", "get_file")  # reads and HEADs (deletes are free on bo
 
 @dataclass
 class FleetOptions:
-    workers: int = 200
-    versions: int = 50
-    latency_ms: float = 80.0
-    bandwidth_mbit: float = 50.0
-    churn: float = 0.0
-    gen_seconds: float = 0.5
-    groups_per_step: int = 16
-    groups_per_batch: int = 2
-    group_size: int = 4
-    max_lag: int = 2
-    anchor_every: int = 10
-    model: str = "tiny"
-    seed: int = 0
-    timeout_s: float = 3600.0
+    workers: int = setting(200, "simulated workers")
+    versions: int = setting(50, "versions to train")
+    latency_ms: float = setting(
+        80.0, "round trip added to every store request (trainer and workers)"
+    )
+    bandwidth_mbit: float = setting(50.0, "each worker's link to the store, Mbit/s (0: unlimited)")
+    churn: float = setting(0.0, "share of the fleet replaced by fresh workers at each version")
+    gen_seconds: float = setting(0.5, "seconds a simulated batch's generation takes (slept)")
+    groups_per_step: int = setting(16, "groups the trainer takes per version")
+    groups_per_batch: int = setting(2, "groups per worker upload")
+    group_size: int = setting(4, "episodes per group")
+    max_lag: int = setting(2, "oldest usable policy: v - max_lag")
+    anchor_every: int = setting(10, "versions between anchors")
+    model: str = setting("tiny", "the trainer's model (preset or directory)")
+    seed: int = setting(0, "seed of the simulated policy and of churn")
+    timeout: float = setting(3600.0, "stop the trainer after this many seconds per run")
     out: Path | None = None
 
     def check(self) -> None:
@@ -469,7 +474,7 @@ def run_fleet(opts: FleetOptions, root: Path, wrap=None) -> RunResult:
     with shared_model(skeleton, trainer.tok):
         with shared_decode() as decode:
             fleet.start(opts.workers)
-            watchdog = _watch(trainer, fleet, opts.timeout_s)
+            watchdog = _watch(trainer, fleet, opts.timeout)
             trainer.run()
             watchdog.set()
             fleet.stop_all(timeout=60.0)
@@ -771,60 +776,13 @@ def cost_model(s: dict, opts: FleetOptions, workers: int = 100, versions: int = 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = FleetOptions()
-    p.add_argument("--workers", type=int, default=d.workers, help="simulated workers")
-    p.add_argument("--versions", type=int, default=d.versions, help="versions to train")
-    p.add_argument(
-        "--latency-ms",
-        type=float,
-        default=d.latency_ms,
-        help="round trip added to every store request (trainer and workers)",
-    )
-    p.add_argument(
-        "--bandwidth-mbit",
-        type=float,
-        default=d.bandwidth_mbit,
-        help="each worker's link to the store, Mbit/s (0: unlimited)",
-    )
-    p.add_argument(
-        "--churn",
-        type=float,
-        default=d.churn,
-        help="share of the fleet replaced by fresh workers at each version",
-    )
-    p.add_argument(
-        "--gen-seconds",
-        type=float,
-        default=d.gen_seconds,
-        help="seconds a simulated batch's generation takes (slept)",
-    )
-    p.add_argument(
-        "--groups-per-step",
-        type=int,
-        default=d.groups_per_step,
-        help="groups the trainer takes per version",
-    )
-    p.add_argument(
-        "--groups-per-batch", type=int, default=d.groups_per_batch, help="groups per worker upload"
-    )
-    p.add_argument(
-        "--max-lag", type=int, default=d.max_lag, help="oldest usable policy: v - max_lag"
-    )
-    p.add_argument(
-        "--anchor-every", type=int, default=d.anchor_every, help="versions between anchors"
-    )
+    add_flags(p, FleetOptions, skip=("out",))
     p.add_argument(
         "--baseline-workers",
         type=int,
         default=2,
-        help="also run this many workers (no churn) for the trainer's wait side by side (0: skip)",
-    )
-    p.add_argument("--model", default=d.model, help="the trainer's model (preset or directory)")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=d.timeout_s,
-        help="stop the trainer after this many seconds per run",
+        help="also run this many workers (no churn) for the trainer's wait side by side "
+        "(0: skip; default 2)",
     )
     p.add_argument(
         "--out", type=Path, help="keep the runs' stores here (default: a temporary folder)"
@@ -833,14 +791,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options(args: argparse.Namespace, workers: int | None = None, churn: float | None = None):
-    opts = FleetOptions(
-        workers=args.workers if workers is None else workers,
-        versions=args.versions, latency_ms=args.latency_ms,
-        bandwidth_mbit=args.bandwidth_mbit, churn=args.churn if churn is None else churn,
-        gen_seconds=args.gen_seconds, groups_per_step=args.groups_per_step,
-        groups_per_batch=args.groups_per_batch, max_lag=args.max_lag,
-        anchor_every=args.anchor_every, model=args.model, timeout_s=args.timeout,
-    )  # fmt: skip
+    """The options of one run from the flags given (a flag left out keeps its
+    default), with `workers` and `churn` overridden for the baseline run."""
+    names = [f.name for f in fields(FleetOptions) if f.name != "out"]
+    opts = FleetOptions(**flag_values(args, names))
+    if workers is not None:
+        opts.workers = workers
+    if churn is not None:
+        opts.churn = churn
     opts.check()
     return opts
 

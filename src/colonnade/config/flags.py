@@ -36,7 +36,7 @@ def _scalar(tp: Any) -> Any:
     """int for `int | None` and the like; None for a type no flag can hold."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else None
+        return _scalar(args[0]) if len(args) == 1 else None
     return tp if tp in (int, float, str, bool) else None
 
 
