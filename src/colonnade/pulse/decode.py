@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from . import parallel, positions, residuals
+from . import kernels, parallel, positions, residuals
 from .codec import State, _nbytes
 from .context import class_map
 from .errors import PatchError
@@ -75,18 +75,43 @@ def _decode_patch(
         classes = positions.residual_classes(groups)
         if classes.size != changed:
             raise ValueError(f"positions hold {classes.size} changes, header says {changed}")
-        chunks = positions.rice_chunks(groups, blocks[1:n_pos], ob.size, cmap, chunk)
     else:
         classes = np.zeros(changed, np.uint8)
-        chunks = positions.mask_chunks(blocks[0], ob.size)
     values = residuals.decode_values(entry, blocks[n_pos:], classes, changed, ob.dtype.type)
     del classes
-    if undo is not None and _own_memory(old, ob):
-        _scatter(entry, ob, chunks, values, undo)
+    in_place = undo is not None and _own_memory(old, ob)
+    nb = ob if in_place else np.empty_like(ob)
+    if entry["pos"] == "rice":
+        spec = positions.Rebuild(values, nb, _RES[entry["res"]], residuals.key_kind(entry["dtype"]))
+        found = positions.rice_chunks(groups, blocks[1:n_pos], ob.size, cmap, chunk, spec)
+        _log_rebuilt(nb, ob, found, values.size, chunk, undo if in_place else None)
+    else:
+        if not in_place:
+            np.copyto(nb, ob)
+        _scatter(entry, nb, positions.mask_chunks(blocks[0], ob.size), values, undo)
+    if in_place:
         return old
-    nb = ob.copy()
-    _scatter(entry, nb, chunks, values, None)
     return from_bits(nb, entry["dtype"], tuple(old.shape))
+
+
+_RES = {"xor": kernels.RES_XOR, "delta": kernels.RES_DELTA}
+
+
+def _log_rebuilt(nb, ob, found, count: int, chunk: int, undo) -> None:
+    """Run the rice path's chunks (rebuilt as they go); the chunks without
+    changes copied where nb is not the base's own memory."""
+    done, seen = 0, set()
+    for start, local, before in found:
+        if undo is not None:
+            undo.append((nb, start, local, before))
+        seen.add(start)
+        done += local.size
+    if done != count:
+        raise ValueError(f"decoded {done} changed elements, header says {count}")
+    if nb is not ob:
+        for _, start, stop in positions.chunk_bounds(ob.size, chunk):
+            if start not in seen:
+                nb[start:stop] = ob[start:stop]
 
 
 def _own_memory(t: torch.Tensor, bits: np.ndarray) -> bool:

@@ -28,6 +28,8 @@ N_CLASSES = 16
 MODE_LUT, MODE_ARRAY = 0, 1
 # Order-preserving keys of the "delta" residual (bitcodes.ordered_key).
 KEY_UNSIGNED, KEY_FLOAT, KEY_SIGNED = 0, 1, 2
+# How a residual rebuilds the new bits (residuals.rebuild): XOR, or key delta.
+RES_XOR, RES_DELTA = 0, 1
 
 
 class ClassSource(NamedTuple):
@@ -172,13 +174,63 @@ def _build_numba():
         return out, ok
 
     @numba.njit(cache=True, nogil=True)
+    def scatter_rebuild(
+        n, bits, out, mode, lut, shift, arr, want_start, want, values, res, key, width, before
+    ):  # pragma: no cover - compiled
+        # scatter, and at each element found its new bits written to out
+        # (the chunk's destination: its own memory in place, else a copy)
+        # from its residual (residuals.rebuild, in int64 on keys of
+        # `width` <= 32 bits), its old bits kept in `before`.
+        ptr = want_start[:N_CLASSES].copy()
+        nxt = np.full(N_CLASSES, -1, np.int64)
+        for c in range(N_CLASSES):
+            if ptr[c] < want_start[c + 1]:
+                nxt[c] = want[ptr[c]]
+        h = np.zeros((4, N_CLASSES), np.int64)
+        loc = np.empty(want.size, np.int32)
+        mask = (1 << width) - 1
+        top = 1 << (width - 1)
+        for i in range(n):
+            b = bits[i]
+            c = lut[b >> shift] if mode == MODE_LUT else arr[i]
+            if nxt[c] == h[0, c] + h[1, c] + h[2, c] + h[3, c]:
+                p = ptr[c]
+                loc[p] = i
+                before[p] = b
+                o = np.int64(b)
+                v = np.int64(values[p])
+                if res == RES_XOR:
+                    nw = o ^ v
+                else:
+                    if key == KEY_FLOAT:
+                        o = (~o) & mask if o & top else o | top
+                    elif key == KEY_SIGNED:
+                        o ^= top
+                    half = v >> 1
+                    d = (~half) & mask if v & 1 else half
+                    nw = (o + d) & mask
+                    if key == KEY_FLOAT:
+                        nw = nw & (mask ^ top) if nw & top else (~nw) & mask
+                    elif key == KEY_SIGNED:
+                        nw ^= top
+                out[i] = nw
+                p += 1
+                ptr[c] = p
+                nxt[c] = want[p] if p < want_start[c + 1] else -1
+            h[i & 3, c] += 1
+        ok = True
+        for c in range(N_CLASSES):
+            ok = ok and ptr[c] == want_start[c + 1]
+        return loc, ok
+
+    @numba.njit(cache=True, nogil=True)
     def max_field(bits, shift, mask):  # pragma: no cover - compiled
         top = 0
         for i in range(bits.size):
             top = max(top, (bits[i] >> shift) & mask)
         return top
 
-    return class_ranks, class_counts, scatter, max_field
+    return class_ranks, class_counts, scatter, max_field, scatter_rebuild
 
 
 _NUMBA = None
@@ -257,15 +309,87 @@ def scatter_ranks(
     """Indices, in class-major order, of the elements with the given (class, ranks)."""
     if not _use_numba(backend):
         return _numpy_scatter(classes_fn(), np.array(group_cls, np.int64), ranks)
+    start, want = _want(group_cls, ranks)
+    out, ok = _NUMBA[2](n, *_args(bits, src), start, want)
+    if not ok:
+        raise ValueError("a rank lies beyond its class")
+    return out
+
+
+def _want(group_cls: list[int], ranks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     per = np.zeros(N_CLASSES, np.int64)
     for c, r in zip(group_cls, ranks, strict=True):
         per[c] = r.size
     start = np.concatenate(([0], np.cumsum(per)))
     want = np.concatenate(ranks).astype(np.int64) if ranks else np.zeros(0, np.int64)
-    out, ok = _NUMBA[2](n, *_args(bits, src), start, want)
-    if not ok:
-        raise ValueError("a rank lies beyond its class")
-    return out
+    return start, want
+
+
+def scatter_rebuild(
+    n: int,
+    bits: np.ndarray,
+    out: np.ndarray,
+    src: ClassSource,
+    classes_fn,
+    group_cls: list[int],
+    ranks: list[np.ndarray],
+    values: np.ndarray,
+    res: int,
+    key: int,
+    backend: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rebuild a chunk's changes: (their indices, their old bits), class-major.
+
+    bits: the chunk's base bits; out: where its new bits go (bits itself, in
+    place, or a fresh array that gets the unchanged elements copied too);
+    values: the residuals of the changes in class-major order (res: RES_*,
+    key: KEY_*). One pass over the chunk where compiled (elements of ≤ 32
+    bits); otherwise scatter_ranks, then numpy.
+    """
+    width = bits.dtype.itemsize * 8
+    if _use_numba(backend) and width <= 32:
+        start, want = _want(group_cls, ranks)
+        if want.size != values.size:
+            raise ValueError("residual count does not match the positions")
+        before = np.empty(want.size, bits.dtype)
+        if out.ctypes.data != bits.ctypes.data:
+            np.copyto(out, bits)
+        loc, ok = _NUMBA[4](
+            n,
+            bits,
+            out,
+            src.mode,
+            src.lut,
+            src.shift,
+            src.arr,
+            start,
+            want,
+            values,
+            res,
+            key,
+            width,
+            before,
+        )
+        if not ok:
+            raise ValueError("a rank lies beyond its class")
+        return loc, before
+    loc = scatter_ranks(n, bits, src, classes_fn, group_cls, ranks, backend)
+    if loc.size != values.size:
+        raise ValueError("residual count does not match the positions")
+    before = bits[loc]
+    if out.ctypes.data != bits.ctypes.data:
+        np.copyto(out, bits)
+    out[loc] = rebuild_values(before, values, res, key)
+    return loc, before
+
+
+def rebuild_values(old: np.ndarray, values: np.ndarray, res: int, key: int) -> np.ndarray:
+    """New bits from old bits and residuals (the inverse of residual_transforms)."""
+    if res == RES_XOR:
+        return old ^ values
+    is_float, is_signed = key == KEY_FLOAT, key == KEY_SIGNED
+    keys = bitcodes.ordered_key(old, is_float, is_signed) + bitcodes.unzigzag(values)
+    return bitcodes.from_ordered_key(keys, is_float, is_signed)
 
 
 def max_field(bits: np.ndarray, shift: int, mask: int) -> int:

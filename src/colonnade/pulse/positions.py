@@ -18,13 +18,14 @@ for "rice", ascending for "mask".
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from colonnade import untrusted
 
-from . import bitcodes, kernels, parallel
+from . import bitcodes, kernels, parallel, rice
 from .context import N_CLASSES, ClassMap
 
 # Slices a bitmask is unpacked in (a multiple of 8: whole bytes).
@@ -70,10 +71,15 @@ class RiceEncoder:
     plus the (small) output, never index arrays over the whole tensor.
     """
 
-    def __init__(self, cmap: ClassMap) -> None:
+    def __init__(self, cmap: ClassMap | None) -> None:
         self.cmap = cmap
         self._rows: list[tuple[int, int, int, int, int, int]] = []
-        self._unary, self._rem = bitcodes.BitSink(), bitcodes.BitSink()
+        self._unary: rice.BitWriter | bitcodes.BitSink
+        self._rem: rice.BitWriter | bitcodes.BitSink
+        if rice.COMPILED:
+            self._unary, self._rem = rice.BitWriter(), rice.BitWriter()
+        else:
+            self._unary, self._rem = bitcodes.BitSink(), bitcodes.BitSink()
 
     def add(self, ci: int, start: int, new: np.ndarray) -> np.ndarray:
         """Code the changes of one chunk (new: its new bits over the base's).
@@ -97,6 +103,10 @@ class RiceEncoder:
     def code(self, ci: int, found: tuple) -> np.ndarray:
         """Code chunk ci's `changes` (chunks in order); its changes in residual order."""
         order, ranks_all, counts, per_class = found[:4]
+        if rice.COMPILED:
+            rows = rice.encode_chunk(ranks_all, per_class, counts, self._unary, self._rem)
+            self._rows.extend((ci, c, k, inv, 0, m) for c, k, inv, m in rows.tolist())
+            return order
         order_cls = np.repeat(np.arange(N_CLASSES, dtype=np.uint8), per_class)
         for c, size, ranks in _chunk_groups(order_cls, ranks_all, counts):
             invert = 2 * ranks.size > size
@@ -143,9 +153,12 @@ def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
 
 
 class _RiceReader:
+    """Reads the groups of one chunk after another off the two streams."""
+
     def __init__(self, blocks: list[memoryview]) -> None:
         self.blocks = blocks
-        self.unary = bitcodes.UnaryReader(np.frombuffer(blocks[0], np.uint8))
+        self.unary_bytes = np.frombuffer(blocks[0], np.uint8)
+        self.unary = bitcodes.UnaryReader(self.unary_bytes)
         self.rem = np.frombuffer(blocks[1], dtype=np.uint8)
         self.r_off = 0
 
@@ -157,6 +170,33 @@ class _RiceReader:
         self.r_off += count * k
         return (q << np.uint64(k)) | r
 
+    def read_chunk(
+        self, rows: np.ndarray, counts: np.ndarray | None, limit: int
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """(classes, their changed ranks) of one chunk's group rows."""
+        if rice.COMPILED:
+            table = np.stack(
+                [rows["cls"], rows["k"], rows["invert"], rows["count"]], axis=1
+            ).astype(np.int64)
+            want, self.unary.bits_used, self.r_off = rice.decode_chunk(
+                self.unary_bytes, self.unary.bits_used, self.rem, self.r_off, table, counts, limit
+            )
+            cuts = np.cumsum(table[:, 3])[:-1]
+            return table[:, 0].tolist(), np.split(want, cuts)
+        classes, parts = [], []
+        for g in rows:
+            c, m = int(g["cls"]), int(g["count"])
+            size = int(counts[c]) if counts is not None else None
+            if m == 0 or m > (size if size is not None else limit):
+                raise ValueError("group count out of range")
+            coded_n = size - m if g["invert"] else m
+            ranks = bitcodes.sorted_from_gaps(self.read(coded_n, int(g["k"])))
+            if size is not None and ranks.size and ranks[-1] >= size:
+                raise ValueError("rank beyond its class")
+            classes.append(c)
+            parts.append(_complement(ranks, size) if g["invert"] else ranks)
+        return classes, parts
+
     def check_used(self) -> None:
         if -(-self.unary.bits_used // 8) != len(self.blocks[0]) or -(-self.r_off // 8) != len(
             self.blocks[1]
@@ -164,8 +204,27 @@ class _RiceReader:
             raise ValueError("position streams have unused bytes")
 
 
-def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: ClassMap, chunk: int):
-    """Per chunk with changes: (start, chunk-local changed indices in residual order).
+@dataclass(frozen=True)
+class Rebuild:
+    """What rice_chunks needs to also rebuild each chunk's changes (apply)."""
+
+    values: np.ndarray  # every change's residual, in residual order
+    dst: np.ndarray  # where the new bits go: the base's bits (in place) or a copy
+    res: int  # kernels.RES_*
+    key: int  # kernels.KEY_*
+
+
+def rice_chunks(
+    groups: np.ndarray,
+    blocks: list[memoryview],
+    n: int,
+    cmap: ClassMap,
+    chunk: int,
+    rebuild: Rebuild | None = None,
+):
+    """Per chunk with changes: (start, chunk-local changed indices in residual order),
+    and with `rebuild`, their old bits too, the chunk's new bits written to
+    rebuild.dst (every element of the chunk).
 
     One chunk at a time, so a decoder never holds index arrays over the whole
     tensor. The streams are read in chunk order on this thread; the element
@@ -174,11 +233,11 @@ def rice_chunks(groups: np.ndarray, blocks: list[memoryview], n: int, cmap: Clas
     chunks are read for unused stream bytes).
     """
     reader = _RiceReader(blocks)
-    yield from parallel.ordered(_chunk_passes(groups, reader, n, cmap, chunk))
+    yield from parallel.ordered(_chunk_passes(groups, reader, n, cmap, chunk, rebuild))
     reader.check_used()
 
 
-def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMap, chunk: int):
+def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: int, rebuild):
     """Per chunk with changes, in order: its ranks read, and a thunk that finds their indices."""
     chunk_ids = np.unique(groups["chunk"])
     inverted = np.unique(groups["chunk"][groups["invert"] != 0])
@@ -188,6 +247,7 @@ def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMa
     # (A tensor of one chunk counts on this thread: no hand-off to wait on.)
     pool = len(chunk_ids) > 1
     sizes = {int(ci): _class_counts_later(cmap, ci, n, chunk, pool) for ci in inverted}
+    done = 0
     for ci in chunk_ids:
         start = int(ci) * chunk
         stop = min(n, start + chunk)
@@ -202,21 +262,28 @@ def _chunk_passes(groups: np.ndarray, reader: _RiceReader, n: int, cmap: ClassMa
         bits, src = cmap.bits[start:stop], cmap.source(start, stop)
         rows = groups[groups["chunk"] == ci]
         counts = sizes.pop(int(ci)).result() if int(ci) in sizes else None
-        classes, parts = [], []
-        for g in rows:
-            c, m = int(g["cls"]), int(g["count"])
-            size = int(counts[c]) if counts is not None else None
-            if m == 0 or m > (size if size is not None else stop - start):
-                raise ValueError("group count out of range")
-            coded_n = size - m if g["invert"] else m
-            ranks = bitcodes.sorted_from_gaps(reader.read(coded_n, int(g["k"])))
-            if size is not None and ranks.size and ranks[-1] >= size:
-                raise ValueError("rank beyond its class")
-            classes.append(c)
-            parts.append(_complement(ranks, size) if g["invert"] else ranks)
+        classes, parts = reader.read_chunk(rows, counts, stop - start)
+        if rebuild is None:
+            yield functools.partial(
+                _located, start, stop - start, bits, src, classes_fn, classes, parts
+            )
+            continue
+        m = sum(p.size for p in parts)
+        if done + m > rebuild.values.size:
+            raise ValueError(f"positions hold more changes than the {rebuild.values.size} coded")
         yield functools.partial(
-            _located, start, stop - start, bits, src, classes_fn, classes, parts
+            _rebuilt,
+            start,
+            bits,
+            rebuild.dst[start:stop],
+            src,
+            classes_fn,
+            classes,
+            parts,
+            rebuild.values[done : done + m],
+            rebuild,
         )
+        done += m
 
 
 def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int, pool: bool):
@@ -233,6 +300,13 @@ def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int, pool: bool):
 
 def _located(start, n, bits, src, classes_fn, classes, parts):
     return start, kernels.scatter_ranks(n, bits, src, classes_fn, classes, parts)
+
+
+def _rebuilt(start, bits, dst, src, classes_fn, classes, parts, values, rebuild: Rebuild):
+    local, before = kernels.scatter_rebuild(
+        bits.size, bits, dst, src, classes_fn, classes, parts, values, rebuild.res, rebuild.key
+    )
+    return start, local, before
 
 
 def mask_block(packed: list[np.ndarray], level: int) -> bytes:

@@ -1,0 +1,284 @@
+"""The "rice" position code of one chunk in compiled loops (numba).
+
+positions.RiceEncoder and positions.rice_chunks code a chunk's groups (one
+per context class with changes) a few numpy calls at a time: per group its
+gaps, the best Rice parameter, the unary and remainder bits. A model of a
+few hundred tensors has thousands of such groups, and that per-group Python
+cost was a third of encoding and of applying a patch. These kernels do a
+whole chunk in one call, writing (or reading) the packed bit streams
+directly, and give exactly the bits of the numpy path (bitcodes), which
+stays the reference and the fallback without numba.
+
+The bit streams are MSB-first (np.packbits order), written into zeroed
+buffers at a running bit position that carries over from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from .bitcodes import MAX_RICE_K
+from .kernels import N_CLASSES
+
+# Why a chunk's read failed (the decoder's return code when negative).
+ERRORS = {
+    -1: "group count out of range",
+    -2: "unary stream ends early",
+    -3: "remainder stream ends early",
+    -4: "rank beyond its class",
+}
+_LN2 = math.log(2.0)
+
+
+def _best_k(g, n):  # pragma: no cover - compiled
+    # bitcodes.best_rice_k: a guess from the mean, then the exact cost of
+    # the parameters around it (first minimum). The sum is exact in int64,
+    # so the mean is numpy's to the last bit.
+    if n == 0:
+        return 0
+    s = 0
+    for j in range(n):
+        s += g[j]
+    mean = s / n
+    guess = 0
+    if mean > 1:
+        guess = max(0, math.floor(math.log2(mean * _LN2 + 1e-12)))
+    best_k, best = 0, -1
+    for k in range(max(0, guess - 1), min(MAX_RICE_K, guess + 2) + 1):
+        cost = n * (1 + k)
+        for j in range(n):
+            cost += g[j] >> k
+        if best < 0 or cost < best:
+            best_k, best = k, cost
+    return best_k
+
+
+def _group_gaps(ranks, lo, m, size, invert, g):
+    # Gaps of the coded ranks (the changed ones, or with invert the others)
+    # into g; returns how many.
+    n = 0
+    prev = -1
+    if invert:
+        p = lo
+        for r in range(size):
+            if p < lo + m and ranks[p] == r:
+                p += 1
+            else:
+                g[n] = r - prev - 1
+                prev = r
+                n += 1
+    else:
+        for j in range(lo, lo + m):
+            g[n] = ranks[j] - prev - 1
+            prev = ranks[j]
+            n += 1
+    return n
+
+
+def _put(buf, pos, value, nbits):
+    # The low nbits of value at bit pos, MSB first (buf zeroed past pos).
+    while nbits > 0:
+        space = 8 - (pos & 7)
+        take = min(space, nbits)
+        nbits -= take
+        buf[pos >> 3] |= ((value >> nbits) & ((1 << take) - 1)) << (space - take)
+        pos += take
+    return pos
+
+
+def _encode_chunk(ranks, per_class, counts, unary, u_pos, rem, r_pos, rows):
+    # Codes a chunk's groups (class-major ranks, as kernels.class_ranks gives
+    # them) at bit positions u_pos / r_pos; returns the new positions and the
+    # number of rows written, or (bits wanted, bits wanted, -1) when a buffer
+    # is too small, having written nothing.
+    g = np.empty(max(1, ranks.size), np.int64)
+    ks = np.zeros(N_CLASSES, np.int64)
+    u_need = 0
+    r_need = 0
+    lo = 0
+    for c in range(N_CLASSES):
+        m = per_class[c]
+        if m == 0:
+            continue
+        n = _group_gaps(ranks, lo, m, counts[c], 2 * m > counts[c], g)
+        k = _best_k(g, n)
+        ks[c] = k
+        for j in range(n):
+            u_need += (g[j] >> k) + 1
+        r_need += n * k
+        lo += m
+    if u_pos + u_need > 8 * unary.size or r_pos + r_need > 8 * rem.size:
+        return u_pos + u_need, r_pos + r_need, -1
+    lo = 0
+    n_rows = 0
+    for c in range(N_CLASSES):
+        m = per_class[c]
+        if m == 0:
+            continue
+        invert = 2 * m > counts[c]
+        n = _group_gaps(ranks, lo, m, counts[c], invert, g)
+        k = ks[c]
+        for j in range(n):
+            q = g[j] >> k
+            while q > 0:  # the quotient's ones (its zero is already there)
+                take = min(q, 56)
+                u_pos = _put(unary, u_pos, (1 << take) - 1, take)
+                q -= take
+            u_pos += 1
+            r_pos = _put(rem, r_pos, g[j], k)
+        lo += m
+        rows[n_rows, 0] = c
+        rows[n_rows, 1] = k
+        rows[n_rows, 2] = 1 if invert else 0
+        rows[n_rows, 3] = m
+        n_rows += 1
+    return u_pos, r_pos, n_rows
+
+
+def _bit(buf, pos):
+    return (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+
+
+def _get(buf, pos, nbits):
+    # nbits at bit pos, MSB first (the caller has checked they are there).
+    v = 0
+    while nbits > 0:
+        space = 8 - (pos & 7)
+        take = min(space, nbits)
+        v = (v << take) | ((buf[pos >> 3] >> (space - take)) & ((1 << take) - 1))
+        pos += take
+        nbits -= take
+    return v
+
+
+def _decode_chunk(unary, u_pos, rem, r_pos, groups, sizes, limit, want):
+    # Reads a chunk's groups (rows of cls, k, invert, count) from bit
+    # positions u_pos / r_pos into `want`: each class's changed ranks, sorted,
+    # class after class. sizes: the class sizes, or empty where no group is
+    # inverted (then ranks are bounded by the chunk, `limit`). Returns the
+    # new positions and 0, or an ERRORS code.
+    u_end = 8 * unary.size
+    r_end = 8 * rem.size
+    out = 0
+    for gi in range(groups.shape[0]):
+        c = groups[gi, 0]
+        k = groups[gi, 1]
+        invert = groups[gi, 2] != 0
+        m = groups[gi, 3]
+        bound = sizes[c] if sizes.size else limit
+        if m == 0 or m > bound or (invert and not sizes.size):
+            return u_pos, r_pos, -1
+        coded = bound - m if invert else m
+        q_max = bound >> k  # a larger quotient puts the rank past the bound
+        prev = -1
+        for _ in range(coded):
+            q = 0
+            while True:
+                if u_pos >= u_end:
+                    return u_pos, r_pos, -2
+                b = _bit(unary, u_pos)
+                u_pos += 1
+                if b == 0:
+                    break
+                q += 1
+                if q > q_max:
+                    return u_pos, r_pos, -4
+            if r_pos + k > r_end:
+                return u_pos, r_pos, -3
+            r = _get(rem, r_pos, k)
+            r_pos += k
+            rank = prev + ((q << k) | r) + 1
+            if rank >= bound:
+                return u_pos, r_pos, -4
+            if invert:
+                for x in range(prev + 1, rank):
+                    want[out] = x
+                    out += 1
+            else:
+                want[out] = rank
+                out += 1
+            prev = rank
+        if invert:
+            for x in range(prev + 1, bound):
+                want[out] = x
+                out += 1
+    return u_pos, r_pos, 0
+
+
+def _compile():
+    if os.environ.get("COLONNADE_NO_NUMBA") == "1":
+        return None
+    try:
+        import numba
+    except ImportError:
+        return None
+    jit = numba.njit(cache=True, nogil=True)
+    # Helpers first: the kernels call them by these module globals.
+    g = globals()
+    for name in ("_best_k", "_group_gaps", "_put", "_get", "_bit"):
+        g[name] = jit(g[name])
+    return jit(_encode_chunk), jit(_decode_chunk)
+
+
+_KERNELS = _compile()
+COMPILED = _KERNELS is not None
+
+
+class BitWriter:
+    """A growing, zeroed bit buffer and its position (MSB-first)."""
+
+    def __init__(self, capacity: int = 1 << 12) -> None:
+        self.buf = np.zeros(capacity, np.uint8)
+        self.pos = 0
+
+    def reserve(self, bits: int) -> None:
+        if bits > 8 * self.buf.size:
+            grown = np.zeros(max(2 * self.buf.size, -(-bits // 8)), np.uint8)
+            grown[: self.buf.size] = self.buf
+            self.buf = grown
+
+    def getvalue(self) -> bytes:
+        return self.buf[: -(-self.pos // 8)].tobytes()
+
+
+def encode_chunk(
+    ranks: np.ndarray,
+    per_class: np.ndarray,
+    counts: np.ndarray,
+    unary: BitWriter,
+    rem: BitWriter,
+) -> np.ndarray:
+    """Code one chunk's groups onto the two streams; its rows (cls, k, invert, count)."""
+    rows = np.zeros((N_CLASSES, 4), np.int64)
+    while True:
+        u, r, n = _KERNELS[0](
+            ranks, per_class, counts, unary.buf, unary.pos, rem.buf, rem.pos, rows
+        )
+        if n >= 0:
+            unary.pos, rem.pos = u, r
+            return rows[:n]
+        unary.reserve(u)
+        rem.reserve(r)
+
+
+def decode_chunk(
+    unary: np.ndarray,
+    u_pos: int,
+    rem: np.ndarray,
+    r_pos: int,
+    groups: np.ndarray,
+    sizes: np.ndarray | None,
+    limit: int,
+) -> tuple[np.ndarray, int, int]:
+    """(changed ranks, class after class; new u_pos, r_pos) of one chunk's
+    groups (rows of cls, k, invert, count); ValueError if the streams are bad."""
+    want = np.empty(int(groups[:, 3].sum()), np.int64)
+    no_sizes = np.zeros(0, np.int64)
+    s = no_sizes if sizes is None else sizes.astype(np.int64, copy=False)
+    u, r, err = _KERNELS[1](unary, u_pos, rem, r_pos, groups, s, limit, want)
+    if err:
+        raise ValueError(ERRORS[err])
+    return want, u, r

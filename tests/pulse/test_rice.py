@@ -1,0 +1,154 @@
+"""The compiled Rice coder and the fused scatter agree with the numpy reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colonnade.pulse import kernels, positions, rice
+
+pytestmark = pytest.mark.skipif(not rice.COMPILED, reason="numba not importable here")
+
+
+def _chunk(rng, n, density, n_cls):
+    """kernels.class_ranks of a random chunk: (order, ranks, class sizes, changed per class)."""
+    cls = rng.integers(0, n_cls, n).astype(np.uint8)
+    # Some classes dense enough that their unchanged ranks are coded instead.
+    per_cls = np.where(rng.random(16) < 0.3, 0.9, density)[cls]
+    changed = rng.random(n) < per_cls
+    bits = np.zeros(n, np.uint16)
+    new = np.where(changed, np.uint16(1), bits)
+    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, cls)
+    return kernels.class_ranks(bits, new, src, lambda: cls, backend="numpy"), cls
+
+
+def _code(chunks, compiled, monkeypatch):
+    monkeypatch.setattr(rice, "COMPILED", compiled)
+    enc = positions.RiceEncoder(None)
+    for ci, found in enumerate(chunks):
+        enc.code(ci, found)
+    return enc.groups.tobytes(), enc._unary.getvalue(), enc._rem.getvalue()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+    density=st.floats(0.001, 0.6),
+    n_cls=st.integers(1, 16),
+    seed=st.integers(0, 2**31),
+)
+def test_encoder_writes_the_reference_bits(sizes, density, n_cls, seed):
+    rng = np.random.default_rng(seed)
+    chunks = [_chunk(rng, n, density, n_cls)[0] for n in sizes]
+    with pytest.MonkeyPatch.context() as mp:
+        ref = _code(chunks, False, mp)
+        got = _code(chunks, True, mp)
+    assert got == ref
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+    density=st.floats(0.001, 0.6),
+    n_cls=st.integers(1, 16),
+    seed=st.integers(0, 2**31),
+)
+def test_decoder_reads_back_every_chunk(sizes, density, n_cls, seed):
+    rng = np.random.default_rng(seed)
+    chunks = [_chunk(rng, n, density, n_cls)[0] for n in sizes]
+    enc = positions.RiceEncoder(None)
+    for ci, found in enumerate(chunks):
+        enc.code(ci, found)
+    groups = enc.groups
+    unary = np.frombuffer(enc._unary.getvalue(), np.uint8)
+    rem = np.frombuffer(enc._rem.getvalue(), np.uint8)
+    u = r = 0
+    for ci, (_order, ranks, counts, _per_class) in enumerate(chunks):
+        rows = groups[groups["chunk"] == ci]
+        table = np.stack([rows["cls"], rows["k"], rows["invert"], rows["count"]], 1).astype(
+            np.int64
+        )
+        want, u, r = rice.decode_chunk(unary, u, rem, r, table, counts, sizes[ci])
+        assert np.array_equal(want, ranks)
+    assert -(-u // 8) == unary.size and -(-r // 8) == rem.size
+
+
+def test_decoder_reports_short_and_bad_streams():
+    rng = np.random.default_rng(3)
+    found, _ = _chunk(rng, 2000, 0.05, 4)
+    enc = positions.RiceEncoder(None)
+    enc.code(0, found)
+    g = enc.groups
+    table = np.stack([g["cls"], g["k"], g["invert"], g["count"]], 1).astype(np.int64)
+    unary = np.frombuffer(enc._unary.getvalue(), np.uint8)
+    rem = np.frombuffer(enc._rem.getvalue(), np.uint8)
+    counts = found[2]
+    with pytest.raises(ValueError, match="unary stream ends early"):
+        rice.decode_chunk(unary[: unary.size // 2], 0, rem, 0, table, counts, 2000)
+    with pytest.raises(ValueError, match="remainder stream ends early"):
+        rice.decode_chunk(unary, 0, rem[: rem.size // 2], 0, table, counts, 2000)
+    with pytest.raises(ValueError, match="group count out of range"):
+        bad = table.copy()
+        bad[0, 3] = counts[bad[0, 0]] + 1
+        rice.decode_chunk(unary, 0, rem, 0, bad, counts, 2000)
+    # A stream of ones: a gap far beyond the chunk.
+    ones = np.full(4000, 0xFF, np.uint8)
+    with pytest.raises(ValueError, match="rank beyond its class"):
+        rice.decode_chunk(ones, 0, rem, 0, table, counts, 2000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    density=st.floats(0, 1),
+    dtype=st.sampled_from([np.uint8, np.uint16, np.uint32]),
+    key=st.sampled_from([kernels.KEY_FLOAT, kernels.KEY_SIGNED, kernels.KEY_UNSIGNED]),
+    res=st.sampled_from([kernels.RES_XOR, kernels.RES_DELTA]),
+    in_place=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_scatter_rebuild_matches_numpy(n, density, dtype, key, res, in_place, seed):
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    bits = rng.integers(0, int(info.max) + 1, n, dtype=np.uint64).astype(dtype)
+    cls = rng.integers(0, 16, n).astype(np.uint8)
+    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, cls)
+    changed = rng.random(n) < density
+    new = bits.copy()
+    step = rng.integers(1, 40, n).astype(dtype)
+    new[changed] = bits[changed] + step[changed] if res else bits[changed] ^ step[changed]
+    changed = new != bits
+    order, ranks, _counts, per_class = kernels.class_ranks(bits, new, src, lambda: cls)
+    xor, delta = kernels.residual_transforms(bits[order], new[order], key)
+    values = xor if res == kernels.RES_XOR else delta
+    classes = [c for c in range(16) if per_class[c]]
+    parts = np.split(ranks, np.cumsum(per_class)[:-1])
+    parts = [parts[c] for c in classes]
+    results = []
+    for backend in ("numpy", "numba"):
+        base = bits.copy()
+        out = base if in_place else np.zeros_like(base)
+        loc, before = kernels.scatter_rebuild(
+            n, base, out, src, lambda: cls, classes, parts, values, res, key, backend=backend
+        )
+        results.append((out.copy(), loc, before))
+        assert np.array_equal(out, new)
+        assert np.array_equal(loc, order) and np.array_equal(before, bits[order])
+    assert all(np.array_equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_scatter_rebuild_rejects_rank_beyond_class():
+    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
+    bits = np.zeros(10, np.uint16)
+    with pytest.raises(ValueError):
+        kernels.scatter_rebuild(
+            10, bits, bits, src, None, [0], [np.array([3, 12])], np.ones(2, np.uint16), 0, 0
+        )
+
+
+def test_bit_writer_grows_and_keeps_bits():
+    w = rice.BitWriter(1)
+    w.pos = 5
+    w.buf[0] = 0b10100000
+    w.reserve(100)
+    assert w.buf.size >= 13 and w.buf[0] == 0b10100000 and not w.buf[1:].any()
