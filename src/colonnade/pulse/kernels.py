@@ -175,10 +175,11 @@ def _build_numba():
 
     @numba.njit(cache=True, nogil=True)
     def scatter_rebuild(
-        n, bits, out, mode, lut, shift, arr, want_start, want, values, res, key, width, before
+        n, bits, out, copy, mode, lut, shift, arr, want_start, want, values, res, key, width, before
     ):  # pragma: no cover - compiled
         # scatter, and at each element found its new bits written to out
-        # (the chunk's destination: its own memory in place, else a copy)
+        # (the chunk's destination: its own memory in place, else a copy
+        # that gets every element as it goes by: one read of the chunk)
         # from its residual (residuals.rebuild, in int64 on keys of
         # `width` <= 32 bits), its old bits kept in `before`.
         ptr = want_start[:N_CLASSES].copy()
@@ -192,6 +193,8 @@ def _build_numba():
         top = 1 << (width - 1)
         for i in range(n):
             b = bits[i]
+            if copy:
+                out[i] = b
             c = lut[b >> shift] if mode == MODE_LUT else arr[i]
             if nxt[c] == h[0, c] + h[1, c] + h[2, c] + h[3, c]:
                 p = ptr[c]
@@ -352,12 +355,11 @@ def scatter_rebuild(
         if want.size != values.size:
             raise ValueError("residual count does not match the positions")
         before = np.empty(want.size, bits.dtype)
-        if out.ctypes.data != bits.ctypes.data:
-            np.copyto(out, bits)
         loc, ok = _NUMBA[4](
             n,
             bits,
             out,
+            out.ctypes.data != bits.ctypes.data,
             src.mode,
             src.lut,
             src.shift,
