@@ -5,6 +5,7 @@ import torch
 
 from colonnade.model import sequence_logprobs
 from colonnade.rollout import Engine, SamplingParams
+from colonnade.rollout import engine as engine_module
 from colonnade.rollout.engine import Layout, units
 
 REPLY = " <information>GX3 binds to PRT21 in the liver.</information> "
@@ -82,10 +83,15 @@ def test_greedy_episodes_are_the_same_on_every_path(tiny):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
-def test_shared_and_refilled_logprobs_equal_teacher_forcing(tiny, tiny_int8):
+@pytest.mark.parametrize("compact_min", [32, 0])
+def test_shared_and_refilled_logprobs_equal_teacher_forcing(
+    tiny, tiny_int8, compact_min, monkeypatch
+):
     # Sampled episodes (row order and batch make-up differ from today's
     # path); the recorded log-probs must still be the model's own: fp32 to
     # 1e-4, int8 within the int8 engine's stated tolerance (max 0.1, mean 0.02).
+    # compact_min 0: the cache is compacted whenever a quarter of it is pads.
+    monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
     tok = tiny[1]
     prompts = _groups(tok, 4)
     params = SamplingParams(max_turn_tokens=5, max_episode_tokens=70)
@@ -147,3 +153,103 @@ def test_max_rows_must_not_be_negative(tiny, bad):
     model, tok = tiny
     with pytest.raises(ValueError, match="max_rows"):
         Engine(model, tok).generate([[1, 2]], [lambda t: None], SamplingParams(), max_rows=bad)
+
+
+def _widths(monkeypatch) -> tuple[list[int], list[int]]:
+    """(cache width at every step, new width at every compaction), as they happen."""
+    widths, compacted = [], []
+    block, compact = Layout.block, Layout.compact
+
+    def counted_block(self, chunks, pad_id):
+        out = block(self, chunks, pad_id)
+        widths.append(self.real.shape[1])
+        return out
+
+    def counted_compact(self):
+        index = compact(self)
+        if index is not None:
+            compacted.append(index.shape[1])
+        return index
+
+    monkeypatch.setattr(Layout, "block", counted_block)
+    monkeypatch.setattr(Layout, "compact", counted_compact)
+    return widths, compacted
+
+
+def test_compaction_keeps_episodes_and_log_probs_and_narrows_the_cache(tiny, monkeypatch):
+    # Tool replies pad every other row by their length, refills keep one
+    # batch going: greedy episodes with and without compaction are the same
+    # tokens with the same log-probs (fp32), on a narrower cache.
+    model, tok = tiny
+    prompts = _groups(tok, 3)
+    params = SamplingParams(temperature=0, max_turn_tokens=5, max_episode_tokens=120)
+    widths, compacted = _widths(monkeypatch)
+
+    def run(compact_min):
+        monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
+        widths.clear(), compacted.clear()
+        eps = Engine(model, tok).generate(
+            prompts, _responders(len(prompts), lambda i: 1 + i % 4), params, max_rows=5
+        )
+        return eps, max(widths), len(compacted)
+
+    plain, plain_width, none = run(10**9)
+    eps, width, times = run(0)
+    assert none == 0 and times > 0 and width < plain_width
+    for a, b in zip(plain, eps, strict=True):
+        assert a.tokens == b.tokens and a.from_model == b.from_model and a.finish == b.finish
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_layout_compact_right_aligns_each_rows_real_columns_in_order(monkeypatch):
+    lay = Layout(2, torch.device("cpu"))
+    t, f = True, False
+    lay.real = torch.tensor([[t, f, f, t, t, f, t], [f, f, f, f, t, f, t]])
+    lay.padded = True
+    assert lay.compact() is None  # 3 pad columns of 7: below the 32-column floor
+    monkeypatch.setattr(engine_module, "_COMPACT_MIN", 0)
+    index = lay.compact()
+    assert index.tolist() == [[0, 3, 4, 6], [3, 5, 4, 6]]
+    assert lay.real.tolist() == [[t, t, t, t], [f, f, t, t]] and lay.padded
+    assert lay.compact() is None  # nothing more to drop
+    lay.real = torch.tensor([[t, f, t], [t, t, f]])
+    assert lay.compact().tolist() == [[0, 2], [0, 1]] and not lay.padded  # back to dense
+
+
+def test_cache_layer_grows_in_place_and_holds_what_concatenation_would():
+    layer = engine_module._growing_layer()()
+    ref_k = ref_v = None
+    gen = torch.Generator().manual_seed(0)
+
+    def add(width, batch=3):
+        nonlocal ref_k, ref_v
+        k = torch.randn(batch, 2, width, 4, generator=gen)
+        v = torch.randn(batch, 2, width, 4, generator=gen)
+        ref_k = k if ref_k is None else torch.cat([ref_k, k], dim=2)
+        ref_v = v if ref_v is None else torch.cat([ref_v, v], dim=2)
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert layer.get_seq_length() == ref_k.shape[2]
+
+    add(7)
+    buffer = layer.keys.data_ptr()
+    add(1)
+    assert layer.keys.data_ptr() == buffer  # written in place, nothing copied
+    for _ in range(3 * engine_module._ROOM):  # past the room: the buffer grows
+        add(1)
+    add(50)
+    layer.batch_select_indices(torch.tensor([2, 0, 0]))
+    ref_k, ref_v = ref_k[[2, 0, 0]], ref_v[[2, 0, 0]]
+    add(1)
+    layer.drop_front(5)
+    ref_k, ref_v = ref_k[:, :, 5:], ref_v[:, :, 5:]
+    add(2)
+    index = torch.tensor([[0, 3, 9], [1, 2, 3], [4, 5, 6]])
+    layer.gather(index)
+    at = index[:, None, :, None].expand(-1, 2, -1, 4)
+    ref_k, ref_v = ref_k.gather(2, at), ref_v.gather(2, at)
+    add(1)
+    other = torch.randn(3, 2, 4, 4, generator=gen)
+    layer.assign(other, other + 1)
+    ref_k, ref_v = other, other + 1
+    add(3)

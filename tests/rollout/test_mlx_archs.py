@@ -148,10 +148,16 @@ def test_torch_engine_tool_replies_of_different_lengths_match_teacher_forcing(ar
     assert gaps(eps, engine.model).max() < tol
 
 
+@pytest.mark.parametrize("compact_min", [32, 0])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_torch_engine_groups_share_a_prefill_and_refill_the_batch(arch):
+def test_torch_engine_groups_share_a_prefill_and_refill_the_batch(arch, compact_min, monkeypatch):
     # Shared-prefix groups joining a running batch (cache columns padded on
-    # join and cut as rows leave), sliding-window layers included.
+    # join and cut as rows leave), sliding-window layers included; with
+    # compact_min 0 the cache drops its pad columns whenever they are a
+    # quarter of it (windows count real columns, which keep their order).
+    from colonnade.rollout import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
     engine, tol = _torch_engine(arch, "fp32")
     prompts = _prompts(engine.tokenizer, group=2)
     params = SamplingParams(max_turn_tokens=8, max_episode_tokens=120, ignore_eos=True)
@@ -161,12 +167,16 @@ def test_torch_engine_groups_share_a_prefill_and_refill_the_batch(arch):
     assert gaps(eps, engine.model).max() < tol
 
 
-def test_torch_engine_windows_a_single_mask_model():
+@pytest.mark.parametrize("compact_min", [32, 0])
+def test_torch_engine_windows_a_single_mask_model(compact_min, monkeypatch):
     # Mistral (and Phi-3, Mixtral) take one mask, windowed in every layer
     # when `sliding_window` is set: the engine windows it in real tokens.
     import transformers as tf
 
+    from colonnade.rollout import engine as engine_module
     from colonnade.rollout.engine import layer_windows
+
+    monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
 
     tok = arch_tokenizer()
     config = tf.MistralConfig(
