@@ -16,6 +16,7 @@ pass over the row alone).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -124,6 +125,23 @@ class Layout:
         self.real, self.pos = self.real[index], self.pos[index]
         return index
 
+    def take(self, rows: list[int]) -> Layout:
+        """A new layout holding copies of these rows."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        out = Layout(len(rows), self.device)
+        out.real, out.pos, out.padded = self.real[index], self.pos[index], self.padded
+        return out
+
+    def place(self, slots: list[int], other: Layout) -> None:
+        """`other`'s rows into these rows (ended episodes'), right-aligned on
+        this layout's columns, which must be at least as many as `other`'s."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        width, theirs = self.real.shape[1], other.real.shape[1]
+        self.real[index] = False
+        self.real[index, width - theirs :] = other.real
+        self.pos[index] = other.pos
+        self.padded = self.padded or other.padded or theirs < width
+
     def extend(self, other: Layout) -> tuple[int, int]:
         """Append `other`'s rows, both right-aligned on the longer past.
 
@@ -197,6 +215,21 @@ class Session(Protocol):
         ...
 
 
+class Reusing(Session, Protocol):
+    """A session that can copy rows out and write rows in place (optional:
+    without it the engine prefills every admission and re-joins the cache)."""
+
+    def take(self, rows: list[int]) -> Reusing:
+        """A new session holding copies of these rows."""
+        ...
+
+    def place(self, slots: list[int], other: Session) -> bool:
+        """`other`'s rows into these rows, in place; False (nothing done) when
+        `other` holds more columns than this session."""
+        ...
+
+
+@functools.cache
 def _growing_layer():
     """A full-attention cache layer whose columns live in a buffer with room
     to spare: a step writes its new columns in place, where transformers'
@@ -312,6 +345,36 @@ class _TorchSession:
             for layer in self.cache.layers:
                 layer.drop_front(drop)
 
+    def take(self, rows: list[int]) -> _TorchSession:
+        out = self.engine._session(len(rows))
+        out.layout = self.layout.take(rows)
+        index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        for layer in self.cache.layers:
+            copy = _growing_layer()()
+            keys, values = layer.keys[index], layer.values[index]
+            copy.lazy_initialization(keys, values)
+            copy.assign(keys, values, _ROOM)
+            out.cache.layers.append(copy)
+        drop = out.layout.trim()
+        if drop:
+            for layer in out.cache.layers:
+                layer.drop_front(drop)
+        return out
+
+    def place(self, slots: list[int], other: _TorchSession) -> bool:
+        width, theirs = self.layout.real.shape[1], other.layout.real.shape[1]
+        if theirs > width:
+            return False
+        self.layout.place(slots, other.layout)
+        index = torch.tensor(slots, dtype=torch.long, device=self.engine.device)
+        if not theirs:  # rows that have not run yet (no prefill): nothing cached
+            return True
+        # The ended rows' older columns stay in the buffer, masked out of every query.
+        for mine, new in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys[index, :, width - theirs :] = new.keys
+            mine.values[index, :, width - theirs :] = new.values
+        return True
+
     def extend(self, other: _TorchSession) -> None:
         pad_a, pad_b = self.layout.extend(other.layout)
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
@@ -417,53 +480,89 @@ class Engine:
         ]
         share = share_prefix and all(len(p) >= 2 for p in prompts)
         waiting = deque(units(prompts, max_rows) if share else [list(range(len(rows)))])
-        live: list[_Row] = []
+        # The session's rows; None where an episode ended and no row has
+        # taken its place yet (dropped before the next step).
+        live: list[_Row | None] = []
         session: Session | None = None
+        prefixes: dict[tuple[int, ...], Session] = {}  # prompts of groups still waiting
         while waiting or live:
             # Fill the free rows from the waiting units, in order (a unit
             # may start in part: its rows still share one prefill), all
             # admitted rows prefilled together.
+            free = [i for i, r in enumerate(live) if r is None]
+            busy = len(live) - len(free)
             admit: list[_Row] = []
-            while waiting and (not max_rows or len(live) + len(admit) < max_rows):
+            while waiting and (not max_rows or busy + len(admit) < max_rows):
                 unit = waiting[0]
-                take = len(unit) if not max_rows else max_rows - len(live) - len(admit)
+                take = len(unit) if not max_rows else max_rows - busy - len(admit)
                 admit.extend(rows[i] for i in unit[:take])
                 if take >= len(unit):
                     waiting.popleft()
                 else:
                     waiting[0] = unit[take:]
             if admit:
-                part = self._prefilled(admit) if share else self._session(len(admit))
+                part = self._prefilled(admit, prefixes) if share else self._session(len(admit))
+                if share:
+                    wanted = {tuple(rows[u[0]].pending) for u in waiting}
+                    prefixes = {p: s for p, s in prefixes.items() if p in wanted}
                 if session is None:
-                    session = part
+                    session, live = part, list(admit)
+                elif (
+                    len(admit) <= len(free)
+                    and hasattr(session, "place")
+                    and session.place(free[: len(admit)], part)
+                ):
+                    # Ended rows' places taken in place: no copy of the cache.
+                    for slot, row in zip(free, admit, strict=False):
+                        live[slot] = row
                 else:
+                    self._drop_ended(session, live)
                     session.extend(part)
-                live.extend(admit)
+                    live.extend(admit)
+            if None in live:
+                self._drop_ended(session, live)
             tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
-            going = [
-                i
-                for i, row in enumerate(live)
-                if self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops)
-            ]
-            if len(going) < len(live):
-                live = [live[i] for i in going]
-                if live:
-                    session.keep(going)
-                else:
-                    session = None
+            for i, row in enumerate(live):
+                if not self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops):
+                    live[i] = None
+            if all(r is None for r in live):
+                live, session = [], None
         return [r.episode for r in rows]
 
-    def _prefilled(self, unit: list[_Row]) -> Session:
+    @staticmethod
+    def _drop_ended(session: Session, live: list[_Row | None]) -> None:
+        going = [i for i, r in enumerate(live) if r is not None]
+        if len(going) < len(live):
+            session.keep(going)
+            live[:] = [live[i] for i in going]
+
+    def _prefilled(self, unit: list[_Row], prefixes: dict[tuple[int, ...], Session]) -> Session:
         """A session holding each row's prompt but its last token, one prefill per
-        distinct prompt; each row's pending chunk becomes that last token."""
+        distinct prompt; each row's pending chunk becomes that last token.
+
+        A group admitted in parts (rows free up one by one) is prefilled once:
+        a prompt's prefilled row is kept in `prefixes`, and later parts copy it.
+        """
         distinct: dict[tuple[int, ...], int] = {}
         index = [distinct.setdefault(tuple(r.pending), len(distinct)) for r in unit]
-        session = self._session(len(distinct))
-        session.step([list(p[:-1]) for p in distinct])
-        session.keep(index)
         for r in unit:
             r.pending = r.pending[-1:]
-        return session
+        missing = [p for p in distinct if p not in prefixes]
+        if missing:
+            made = self._session(len(missing))
+            made.step([list(p[:-1]) for p in missing])
+            if not hasattr(made, "take"):  # a backend without row copies: no reuse
+                made.keep(index)
+                return made
+            for j, p in enumerate(missing):
+                prefixes[p] = made.take([j])
+        bank = [prefixes[p] for p in distinct]
+        if len(bank) == 1:
+            return bank[0].take(index)
+        joined = bank[0].take([0])
+        for other in bank[1:]:
+            joined.extend(other)
+        return joined.take(index)
 
     def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:
         """Record a sampled token; False when the episode is over."""
