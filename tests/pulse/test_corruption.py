@@ -1,6 +1,7 @@
 """Every damaged patch raises PatchError naming what is wrong; none yields a state."""
 
 import struct
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from colonnade.pulse import PatchError, apply, encode, prepare
 from colonnade.pulse import format as fmt
-from pulse_helpers import bits_equal
+from pulse_helpers import bits_equal, perturb
 
 
 def _states():
@@ -150,3 +151,38 @@ def test_a_full_tensor_too_large_to_allocate_is_a_patch_error(elements):
     hb = zstandard.ZstdCompressor().compress(json.dumps(h).encode())
     with pytest.raises(PatchError, match="declares"):
         apply(BASE, _reseal(hb, frame))
+
+
+def test_resealed_damage_to_an_in_place_apply_leaves_the_base_as_it_was(monkeypatch):
+    """Damage the decoder finds part-way (a rank past its class, a short
+    stream) after some chunks of a tensor were rebuilt in the base's own
+    memory, maybe on other threads: every element goes back, and nothing is
+    still writing once apply has raised."""
+    import colonnade.pulse.codec as codec_mod
+
+    monkeypatch.setattr(codec_mod, "CHUNK_ELEMS", 256)  # many chunks a tensor, on the pool
+    gen = torch.Generator().manual_seed(3)
+    old = {"w": torch.randn(64, 512, generator=gen), "v": torch.randn(8192, generator=gen)}
+    new = {k: perturb(v, 0.03, gen) for k, v in old.items()}  # sparse: rice-coded positions
+    patch, _ = encode(old, new, precision="bf16")
+    head_len = struct.unpack_from("<I", patch, 12)[0]
+    header = bytes(memoryview(patch)[16 : 16 + head_len])
+    c = fmt.unpack(patch)
+    assert {t["pos"] for t in c.header["tensors"]} == {"rice"}
+    payload = bytes(c.payload)
+    rng = torch.Generator().manual_seed(5)
+    failed = 0
+    for _ in range(60):
+        base = prepare(old, "bf16")
+        snapshot = {k: v.clone() for k, v in base.items()}
+        bad = bytearray(payload)
+        for pos in torch.randint(0, len(bad), (3,), generator=rng).tolist():
+            bad[pos] ^= 1 << int(torch.randint(0, 8, (1,), generator=rng))
+        try:
+            apply(base, _reseal(header, bytes(bad)), in_place=True)
+        except PatchError:
+            failed += 1
+            assert bits_equal(base, snapshot)
+            time.sleep(0.001)  # nothing left running may write after the raise
+            assert bits_equal(base, snapshot)
+    assert failed > 30

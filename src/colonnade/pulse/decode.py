@@ -82,9 +82,15 @@ def _decode_patch(
     in_place = undo is not None and _own_memory(old, ob)
     nb = ob if in_place else np.empty_like(ob)
     if entry["pos"] == "rice":
-        spec = positions.Rebuild(values, nb, _RES[entry["res"]], residuals.key_kind(entry["dtype"]))
+        spec = positions.Rebuild(
+            values,
+            nb,
+            _RES[entry["res"]],
+            residuals.key_kind(entry["dtype"]),
+            undo if in_place else None,
+        )
         found = positions.rice_chunks(groups, blocks[1:n_pos], ob.size, cmap, chunk, spec)
-        _log_rebuilt(nb, ob, found, values.size, chunk, undo if in_place else None)
+        _rebuild_all(nb, ob, found, values.size, chunk)
     else:
         if not in_place:
             np.copyto(nb, ob)
@@ -97,13 +103,12 @@ def _decode_patch(
 _RES = {"xor": kernels.RES_XOR, "delta": kernels.RES_DELTA}
 
 
-def _log_rebuilt(nb, ob, found, count: int, chunk: int, undo) -> None:
-    """Run the rice path's chunks (rebuilt as they go); the chunks without
-    changes copied where nb is not the base's own memory."""
+def _rebuild_all(nb, ob, found, count: int, chunk: int) -> None:
+    """Run the rice path's chunks (rebuilt as they go, each logging its own
+    undo); the chunks without changes copied where nb is not the base's own
+    memory."""
     done, seen = 0, set()
-    for start, local, before in found:
-        if undo is not None:
-            undo.append((nb, start, local, before))
+    for start, local, _ in found:
         seen.add(start)
         done += local.size
     if done != count:

@@ -224,6 +224,11 @@ def _build_numba():
         ok = True
         for c in range(N_CLASSES):
             ok = ok and ptr[c] == want_start[c + 1]
+        if not ok and not copy:
+            # In place: a chunk that fails leaves its elements as they were.
+            for c in range(N_CLASSES):
+                for p in range(want_start[c], ptr[c]):
+                    out[loc[p]] = before[p]
         return loc, ok
 
     @numba.njit(cache=True, nogil=True)

@@ -17,7 +17,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -136,9 +136,17 @@ def ordered(thunks: Iterable[Callable[[], R]], ahead: int | None = None) -> Iter
         return
     pending: deque[Future[R]] = deque()
     pool = _pool()
-    for thunk in itertools.chain((first, second), it):
-        pending.append(pool.submit(thunk))
-        if len(pending) >= ahead:
+    try:
+        for thunk in itertools.chain((first, second), it):
+            pending.append(pool.submit(thunk))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
             yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    except BaseException:
+        # A failure (or the caller giving up): nothing may still run once this
+        # returns, since a thunk may write into memory the caller then restores.
+        for f in pending:
+            f.cancel()
+        wait(pending)
+        raise

@@ -212,6 +212,10 @@ class Rebuild:
     dst: np.ndarray  # where the new bits go: the base's bits (in place) or a copy
     res: int  # kernels.RES_*
     key: int  # kernels.KEY_*
+    # In place: each chunk logs (dst, start, indices, old bits) here as soon as
+    # it is rebuilt, on the thread that rebuilt it, so that a failure later
+    # (in another chunk, or reading the stream) can put every one back.
+    undo: list | None = None
 
 
 def rice_chunks(
@@ -306,6 +310,8 @@ def _rebuilt(start, bits, dst, src, classes_fn, classes, parts, values, rebuild:
     local, before = kernels.scatter_rebuild(
         bits.size, bits, dst, src, classes_fn, classes, parts, values, rebuild.res, rebuild.key
     )
+    if rebuild.undo is not None:
+        rebuild.undo.append((rebuild.dst, start, local, before))
     return start, local, before
 
 

@@ -140,8 +140,5 @@ def decode_values(
 
 def rebuild(entry: dict, old: np.ndarray, values: np.ndarray) -> np.ndarray:
     """New bits of the changed elements whose old bits are `old`."""
-    if entry["res"] == "xor":
-        return old ^ values
-    dtype = entry["dtype"]
-    keys = _key(old, dtype) + bitcodes.unzigzag(values)
-    return bitcodes.from_ordered_key(keys, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
+    res = kernels.RES_XOR if entry["res"] == "xor" else kernels.RES_DELTA
+    return kernels.rebuild_values(old, values, res, key_kind(entry["dtype"]))
