@@ -138,3 +138,55 @@ def test_a_step_raises_the_rewarded_episode_and_skips_flat_groups(tiny_dir, sqa)
     assert train_step(model, opt, [group, flat], tok.pad_token_id, strict).pass_rate == 0.0
     by_metric = StepConfig(success=Success("correct", 1.0, True))
     assert train_step(model, opt, [group, flat], tok.pad_token_id, by_metric).pass_rate == 0.25
+
+
+def test_a_step_on_the_published_weights_sees_the_workers_policy(tiny_dir, sqa):
+    """Behaviour log-probs from an int8 engine (a worker's): the fp32 π differs
+    from them by the quantization; run on the published weights it does not,
+    and the update still lands on the fp32 masters."""
+    from colonnade import pulse
+    from colonnade.model import load_model, publishable_state, tied_aliases
+    from colonnade.rollout.loader import engine_for
+    from colonnade.train.policy import weights_as_published
+
+    model, tok = load_model(tiny_dir)
+    worker, _ = load_model(tiny_dir)
+    aliases = tied_aliases(worker)
+    state = pulse.prepare(publishable_state(worker), "int8")
+    engine = engine_for(worker, tok, state, "int8", torch.device("cpu"), aliases=aliases)
+    task = sqa.tasks("train")[1]
+    group = _rebuild(
+        tok,
+        sqa,
+        GroupRecord(
+            task.id,
+            [
+                _episode(tok, sqa, task, [f"<answer>{task.answers[0]}</answer>"]),
+                _episode(tok, sqa, task, ["<answer>aspirin</answer>"]),
+            ],
+        ),
+    )
+    with torch.no_grad():
+        lp = policy_logprobs(engine.model, group, tok.pad_token_id, 1.0)
+    for r, s in enumerate(group):
+        s.behaviour_logp = lp[r, -len(s.from_model) :].tolist()
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        fp32_gap = (policy_logprobs(model, group, tok.pad_token_id, 1.0) - lp).abs().max()
+        with weights_as_published(model, "int8"):
+            gap = (policy_logprobs(model, group, tok.pad_token_id, 1.0) - lp).abs().max()
+    # What is left is the engine's bf16 rounding of activations in its matmuls.
+    assert gap < 0.01 and gap < fp32_gap / 2
+    for n, p in model.named_parameters():  # the masters are back, bit for bit
+        assert torch.equal(p, masters[n]), n
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fp32 = train_step(copy.deepcopy(model), opt, [group], tok.pad_token_id, StepConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    m = train_step(model, opt, [group], tok.pad_token_id, StepConfig(published="int8"))
+    assert abs(m.mismatch_kl) < abs(fp32.mismatch_kl) / 2
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, masters[n])]
+    assert moved  # the fp32 masters took the update
+    assert not torch.equal(
+        pulse.published_value(model.lm_head.weight, "int8"), model.lm_head.weight
+    )

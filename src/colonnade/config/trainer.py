@@ -79,6 +79,12 @@ class TrainerConfig:
     delta_high: float = setting(0.15, "DPPO gate: largest rise of a token's probability kept")
     ratio_clip: float = setting(2.0, "clamp of the importance ratio of kept tokens")
     max_grad_norm: float = setting(1.0, "clip of the gradient's global norm")
+    forward_as_published: bool = setting(
+        False,
+        "the step's forward and backward run on the weights as workers receive them (int8 "
+        "or bf16), the update going to the fp32 masters: the gate then sees staleness only, "
+        "not the part of the update below the published precision",
+    )
     scale_by_std: bool = setting(False, "divide advantages by the group's reward std")
     micro_tokens: int = setting(8192, "padded tokens (rows x longest) per micro-batch")
     logit_chunk_tokens: int = setting(4096, "row-positions whose fp32 logits exist at once")

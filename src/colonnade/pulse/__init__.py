@@ -16,7 +16,14 @@ from .decode import apply, read_header
 from .errors import PatchError
 from .hashing import ALGOS as HASHES
 from .hashing import digest_bytes, digest_file, state_hash
-from .quant import SCALE_SUFFIX, dequantize_rows, dequantize_state, quantize_rows, quantize_state
+from .quant import (
+    SCALE_SUFFIX,
+    dequantize_rows,
+    dequantize_state,
+    published_value,
+    quantize_rows,
+    quantize_state,
+)
 
 __all__ = [
     "HASHES",
@@ -31,6 +38,7 @@ __all__ = [
     "digest_file",
     "encode",
     "prepare",
+    "published_value",
     "quantize_rows",
     "quantize_state",
     "read_header",

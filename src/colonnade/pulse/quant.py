@@ -53,6 +53,22 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scale.to(torch.float32)[:, None]
 
 
+def published_value(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """What a worker computes with for `t` at `precision` (codec.prepare's
+    rounding, dequantized), in t's dtype and on its device: "exact" as it is,
+    "bf16" rounded to bf16, "int8" a 2-D weight's bf16 codes × row scales
+    (other tensors bf16). For a trainer that runs its forward on what the
+    workers run (`train.policy.weights_as_published`)."""
+    if precision == "exact" or not t.is_floating_point():
+        return t
+    if precision not in ("bf16", "int8"):
+        raise ValueError(f"precision must be exact, bf16 or int8, not {precision!r}")
+    bf = t.to(torch.bfloat16)
+    if precision == "int8" and is_quantizable(t):
+        return dequantize_rows(*quantize_rows(bf)).to(device=t.device, dtype=t.dtype)
+    return bf.to(t.dtype)
+
+
 def is_quantizable(t: torch.Tensor) -> bool:
     return t.ndim == 2 and t.is_floating_point()
 

@@ -29,10 +29,45 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colonnade.model.logprobs import gather_logprobs
+from colonnade.pulse.quant import published_value
 
 from .distributed import Dist
 
 PREFIX = "lm."  # the wrapped model's parameter names inside the Policy
+
+
+@contextlib.contextmanager
+def weights_as_published(module: nn.Module, precision: str):
+    """Within: every parameter holds its published value (int8 codes × row
+    scales, or bf16), as the workers run it; after: the fp32 master weights
+    again. A forward and backward run within compute the gradient at the
+    published point and leave it on the masters (a straight-through
+    estimate), so π is the workers' policy up to staleness.
+
+    Why: with a small rate most of an AdamW update is below the published
+    precision (a weight of 0.15 moves 3e-5 a step against a bf16 half-ulp of
+    5e-4), so the workers keep running close to the old policy while an fp32
+    π moves; the gate then masks exactly the tokens the update pushed, and
+    learning stalls (docs/benchmarks.md, issue 25). Under FSDP2 the rows of
+    a weight are whole in a rank's shard (dim-0 sharding), so each rank
+    rounds its own.
+    """
+    saved = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for p in module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            if id(local) in seen or precision == "exact":
+                continue
+            seen.add(id(local))
+            saved.append((local, local.clone()))
+            local.copy_(published_value(local, precision))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for local, master in saved:
+                local.copy_(master)
 
 
 class Policy(nn.Module):

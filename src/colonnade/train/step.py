@@ -17,6 +17,7 @@ On one device or across ranks, the same path:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -30,7 +31,7 @@ from .advantages import group_advantages
 from .batching import Packed, micro_inputs, pack
 from .distributed import Dist
 from .loss import GateConfig, dppo_loss
-from .policy import as_policy
+from .policy import as_policy, weights_as_published
 from .samples import Sample
 
 # The step's sums, in this order, reduced over ranks in one tensor.
@@ -44,6 +45,9 @@ class StepConfig:
     micro_tokens: int = 8192  # padded tokens (rows × longest) per micro-batch
     max_grad_norm: float = 1.0
     gate: GateConfig = field(default_factory=GateConfig)
+    # Run π on the weights as the workers receive them ("int8", "bf16"), the
+    # gradient going to the fp32 masters; None: on the fp32 masters.
+    published: str | None = None
     # The environment's rule for a solved episode (pass rate); the default is
     # what an environment declaring none gets: reward >= 1.
     success: Success = field(default_factory=lambda: Success(None, SUCCESS_THRESHOLD, False))
@@ -185,7 +189,11 @@ def train_step(
     packed = Packed.from_tensors(ts)
     policy.train()
     opt.zero_grad(set_to_none=True)
-    sums, rows = _accumulate(policy, packed, pad_id, cfg, where)
+    as_published = (
+        weights_as_published(policy, cfg.published) if cfg.published else contextlib.nullcontext()
+    )
+    with as_published:
+        sums, rows = _accumulate(policy, packed, pad_id, cfg, where)
     sums, rows = where.all_reduce_sum(sums), where.all_reduce_sum(rows)
     grad_norm = _update(policy, opt, int(sums[KEPT]), cfg, where)
     policy.eval()

@@ -169,6 +169,7 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             gate=GateConfig(cfg.delta_low, cfg.delta_high, cfg.ratio_clip),
             success=success_of(self.env),
+            published=cfg.precision if cfg.forward_as_published else None,
         )
         self.version: int | None = None  # of the weights the policy holds
         self.background = Background()
