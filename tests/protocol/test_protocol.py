@@ -25,7 +25,7 @@ from colonnade.protocol import (
     latest_version,
     read_meta,
 )
-from colonnade.protocol.schemas import batch_bytes_bound, content_digest, pack_batch
+from colonnade.protocol.schemas import Latest, batch_bytes_bound, content_digest, pack_batch
 from colonnade.protocol.weights import read_latest
 from colonnade.store import LocalStore
 
@@ -418,6 +418,24 @@ def test_latest_carries_the_trainers_seconds_per_version(tmp_path):
     pub.publish(states[2])
     second = read_meta(store, 2).created - read_meta(store, 1).created
     assert read_latest(store).version_seconds == pytest.approx(0.8 * first + 0.2 * second, abs=2e-3)
+
+
+def test_a_resumed_publisher_does_not_count_its_downtime(tmp_path):
+    store = LocalStore(tmp_path)
+    states = _states(3)
+    first = Publisher(store, "bf16", anchor_every=10)
+    first.publish(states[0])
+    again = Publisher(store, "bf16", anchor_every=10)  # a trainer resumed after an outage
+    again.adopt(0, pulse.prepare(states[0], "bf16"), read_meta(store, 0).state_hash)
+    again.point()
+    again.publish(states[1])
+    assert read_latest(store).version_seconds is None  # v0 -> v1 spans the downtime
+    again.publish(states[2])
+    assert read_latest(store).version_seconds is not None
+    doc = json.loads(store.get(keys.LATEST))
+    for bad in (-1.0, 1e9, "60"):
+        with pytest.raises(SchemaError, match="version_seconds"):
+            Latest.from_json(json.dumps({**doc, "version_seconds": bad}).encode())
 
 
 def test_a_second_publisher_cannot_overwrite_a_version(tmp_path):

@@ -1,6 +1,7 @@
 """Worker pacing by the trainer's demand: claim a slot of the running
 version, or wait, at the pace of the versions, for latest.json to change."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -185,17 +186,22 @@ def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_pa
 def test_a_joiner_paces_its_first_wait_by_the_trainers_interval(tmp_path, clock):
     w, store = _worker(tmp_path)
     _publish(store, 3)
-    meta = w._poll().meta
+    meta = replace(w._poll().meta, created=clock.time() - 30.0)  # v3 came 30 s ago
     store.put(keys.LATEST, Latest(3, meta, demand=w.pointer.demand, version_seconds=60.0).to_json())
     w._poll()
     w._synced_at = clock.now  # it has just installed v3, the first version it saw
     assert w.version_gap is None and w.pace() == 60.0
-    w.store = polled = PublishAt(store, clock, at=clock.now + 60.0)
+    w.store = polled = PublishAt(store, clock, at=clock.now + 30.0)  # v4 on time
     w.wait_for_work()
-    # Without the hint it would have looked ~20 times (doubling from 0.05 s to 1 s).
+    # Without the hint it would have looked ~35 times (doubling from 0.05 s to 1 s);
+    # timed from its own install, not v3's publication, it would have slept past v4.
     assert w.pointer.version == 4 and 2 <= polled.polls <= 3, polled.polls
+    assert clock.now < 30.0 + 6.0 + 1e-6  # woke within a tenth of the interval of v4
     w.version_gap = 5.0
     assert w.pace() == 5.0  # its own measure wins once it has one
+    w.version_gap = None
+    w.pointer = replace(w.pointer, version_seconds=80_000.0)
+    assert w.pace() == worker_module.HINT_SECONDS  # another's word, believed only so far
 
 
 def test_idle_delays_follow_the_version_interval():

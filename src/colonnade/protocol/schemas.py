@@ -228,6 +228,9 @@ class Demand:
         return cls(**d)
 
 
+MAX_VERSION_SECONDS = 86_400.0  # a day: beyond it the figure is not believed
+
+
 @dataclass(frozen=True)
 class Latest:
     """weights/latest.json: the newest version at a glance, rewritten by the
@@ -263,7 +266,10 @@ class Latest:
         _need(isinstance(d["done"], bool) and _int(d["quarantined"]), "done/quarantined")
         demand = None if d["demand"] is None else Demand.from_dict(d["demand"])
         gap = d["version_seconds"]
-        _need(gap is None or (_num(gap) and gap >= 0), "version_seconds: null or >= 0")
+        _need(
+            gap is None or (_num(gap) and 0 <= gap <= MAX_VERSION_SECONDS),
+            f"version_seconds: null or 0 to {MAX_VERSION_SECONDS}",
+        )
         return cls(d["version"], meta, d["done"], d["quarantined"], demand, gap)
 
 

@@ -60,6 +60,10 @@ class Publisher:
         self.quarantined = 0  # decisions so far, announced in latest.json
         self.demand: Demand | None = None  # announced in latest.json
         self.version_seconds: float | None = None  # moving average, announced too
+        # meta.created of the last version published here: an interval counts
+        # only between two versions of this trainer's life (not across a
+        # resume, where it would hold the downtime).
+        self._created: float | None = None
         # latest.json is written by the publication (a background job) and
         # by the trainer's main thread when the demand changes mid-version.
         self._pointing = threading.Lock()
@@ -114,9 +118,10 @@ class Publisher:
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         with self._pointing:
-            if self.meta is not None and self.meta.version == v - 1:
-                gap = max(0.0, meta.created - self.meta.created)
+            if self._created is not None and self.meta is not None and self.meta.version == v - 1:
+                gap = max(0.0, meta.created - self._created)
                 self.version_seconds = moving_gap(self.version_seconds, gap)
+            self._created = meta.created
             self.meta = meta
             if demand is not None:
                 self.demand = demand

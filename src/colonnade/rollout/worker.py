@@ -67,6 +67,7 @@ HEARTBEAT_SECONDS = 20.0
 # slot taken, and each is a billed request.
 CLAIM_TRIES = 2
 NAP_SECONDS = 0.5  # an idle wait sleeps in pieces this long, so a stop is seen
+HINT_SECONDS = 600.0  # the most a joiner believes of latest.json's version_seconds
 
 
 class Quarantined(RuntimeError):
@@ -379,8 +380,8 @@ class Worker:
         seen, t0, polls = self.pointer, time.monotonic(), 0
         try:
             while not self.stop.requested:
-                delay = idle_delay(self.pace(), time.monotonic() - self._synced_at,
-                                   polls, self.cfg.poll_seconds)  # fmt: skip
+                delay = idle_delay(self.pace(), self._since_version(), polls,
+                                   self.cfg.poll_seconds)  # fmt: skip
                 self._nap(delay)
                 if self.stop.requested:
                     return
@@ -396,10 +397,24 @@ class Worker:
 
     def pace(self) -> float | None:
         """Seconds between versions: measured here once two versions came in
-        a row, before that the trainer's own figure from latest.json."""
+        a row, before that the trainer's own figure from latest.json (at most
+        HINT_SECONDS: a worker that has measured nothing does not sleep long
+        on another's word)."""
         if self.version_gap is not None:
             return self.version_gap
-        return self.pointer.version_seconds if self.pointer is not None else None
+        hint = self.pointer.version_seconds if self.pointer is not None else None
+        return None if hint is None else min(hint, HINT_SECONDS)
+
+    def _since_version(self) -> float:
+        """Seconds since the running version came: since this worker installed
+        it, or, while it paces by the trainer's figure (it has just joined),
+        since the trainer published it, if longer (clocks a few seconds apart
+        only shorten the wait)."""
+        local = time.monotonic() - self._synced_at
+        p = self.pointer
+        if self.version_gap is not None or p is None or p.version != self.running_version:
+            return local
+        return max(local, time.time() - p.meta.created)
 
     def _nap(self, seconds: float) -> None:
         end = time.monotonic() + seconds
