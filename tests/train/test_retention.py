@@ -41,14 +41,9 @@ def test_garbage_is_what_no_step_or_joiner_can_use():
 
 
 def test_departed_are_the_heartbeats_silent_past_the_limit():
-    times = {
-        "workers/gone.json": 500.0,
-        "workers/here.json": 4500.0,
-        "workers/just.json": 900.0 + 100.0,
-        "workers/not a worker.json": 0.0,
-    }
-    assert departed(times, now=4600.0, after=3600.0) == ["workers/gone.json", "workers/just.json"]
-    assert departed(times, now=4599.0, after=3600.0) == ["workers/gone.json"]
+    ages = {"gone": 4100.0, "here": 100.0, "just": 3600.0}
+    assert departed(ages, after=3600.0) == ["workers/gone.json", "workers/just.json"]
+    assert departed(ages, after=3601.0) == ["workers/gone.json"]
 
 
 def test_a_sweep_forgets_departed_workers_and_keeps_the_others(tmp_path):

@@ -28,15 +28,20 @@ def worker_heartbeats(store: ObjectStore) -> dict[str, WorkerHeartbeat]:
     return out
 
 
-def fresh_workers(store: ObjectStore, now: float, timeout: float) -> set[str]:
-    """Workers whose heartbeat object was written in the last `timeout` seconds:
-    one listing, however many workers (clocks assumed within a few seconds)."""
-    out = set()
+def heartbeat_ages(store: ObjectStore, now: float) -> dict[str, float]:
+    """{worker id: seconds since its heartbeat was written}: one listing,
+    however many workers (clocks assumed within a few seconds)."""
+    out = {}
     for key, t in store.list_times(keys.WORKERS).items():
         worker = keys.parse_worker_key(key)
-        if worker is not None and now - t < timeout:
-            out.add(worker)
+        if worker is not None:
+            out[worker] = now - t
     return out
+
+
+def fresh_workers(store: ObjectStore, now: float, timeout: float) -> set[str]:
+    """Workers whose heartbeat was written in the last `timeout` seconds."""
+    return {w for w, age in heartbeat_ages(store, now).items() if age < timeout}
 
 
 def alive(

@@ -84,7 +84,8 @@ def _worker(rows: list[WorkerRow], accepted: dict[str, int], gate: dict | None, 
         "gate_masked_fraction": round(gate_figures(gate)[1], 5) if gate else None,
         "mismatch_kl": round(gate_figures(gate)[0], 6) if gate else None,
         "engine": hb.engine if hb else None,
-        "last_version": hb.version if hb else None,
+        # A worker gone long enough has no heartbeat left (retention): its rows say.
+        "last_version": hb.version if hb else max((r.version for r in rows), default=None),
     }
 
 

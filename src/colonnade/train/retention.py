@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from colonnade.protocol import keys
+from colonnade.protocol.presence import heartbeat_ages
 from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
 log = logging.getLogger("colonnade.trainer")
@@ -62,14 +63,10 @@ def garbage(listing: list[str], v: int, max_lag: int, anchor_every: int) -> list
     return out
 
 
-def departed(heartbeat_times: dict[str, float], now: float, after: float) -> list[str]:
-    """The heartbeat keys among `heartbeat_times` ({key: last written}) not
-    rewritten for `after` seconds."""
-    return sorted(
-        k
-        for k, t in heartbeat_times.items()
-        if keys.parse_worker_key(k) is not None and now - t >= after
-    )
+def departed(ages: dict[str, float], after: float) -> list[str]:
+    """The heartbeat keys of the workers among `ages` ({worker: seconds since
+    its heartbeat}) silent for `after` seconds."""
+    return sorted(keys.worker_key(w) for w, age in ages.items() if age >= after)
 
 
 @dataclass
@@ -93,9 +90,7 @@ class Retention:
         doomed = garbage(listing, v, self.max_lag, self.anchor_every)
         # meta.json first, so a version is gone before its payloads are.
         doomed.sort(key=lambda k: (not k.endswith("/meta.json"), k))
-        doomed += departed(
-            self.store.list_times(keys.WORKERS), time.time(), self.forget_workers_seconds
-        )
+        doomed += departed(heartbeat_ages(self.store, time.time()), self.forget_workers_seconds)
         try:
             self.store.delete_many(doomed)
         except StoreUnavailable:
