@@ -95,7 +95,6 @@ class FleetOptions:
     model: str = setting("tiny", "the trainer's model (preset or directory)")
     seed: int = setting(0, "seed of the simulated policy and of churn")
     timeout: float = setting(3600.0, "stop the trainer after this many seconds per run")
-    out: Path | None = None
 
     def check(self) -> None:
         bad = [name for name, ok in (
@@ -110,6 +109,7 @@ class FleetOptions:
             ("--group-size >= 2", self.group_size >= 2),
             ("--max-lag >= 0", self.max_lag >= 0),
             ("--anchor-every >= 1", self.anchor_every >= 1),
+            ("--timeout > 0", self.timeout > 0),
         ) if not ok]  # fmt: skip
         if bad:
             raise ValueError(f"out of range: {'; '.join(bad)}")
@@ -776,7 +776,7 @@ def cost_model(s: dict, opts: FleetOptions, workers: int = 100, versions: int = 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, FleetOptions, skip=("out",))
+    add_flags(p, FleetOptions)
     p.add_argument(
         "--baseline-workers",
         type=int,
@@ -793,8 +793,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace, workers: int | None = None, churn: float | None = None):
     """The options of one run from the flags given (a flag left out keeps its
     default), with `workers` and `churn` overridden for the baseline run."""
-    names = [f.name for f in fields(FleetOptions) if f.name != "out"]
-    opts = FleetOptions(**flag_values(args, names))
+    opts = FleetOptions(**flag_values(args, [f.name for f in fields(FleetOptions)]))
     if workers is not None:
         opts.workers = workers
     if churn is not None:

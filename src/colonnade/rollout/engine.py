@@ -21,7 +21,7 @@ import inspect
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -215,6 +215,7 @@ class Session(Protocol):
         ...
 
 
+@runtime_checkable
 class Reusing(Session, Protocol):
     """A session that can copy rows out and write rows in place (optional:
     without it the engine prefills every admission and re-joins the cache)."""
@@ -229,12 +230,27 @@ class Reusing(Session, Protocol):
         ...
 
 
+def _admitted(waiting: deque, rows: list[_Row], busy: int, max_rows: int) -> list[_Row]:
+    """The rows that start now: waiting units taken in order while there is
+    room (a unit may start in part: what is left of it stays first in line)."""
+    admit: list[_Row] = []
+    while waiting and (not max_rows or busy + len(admit) < max_rows):
+        unit = waiting[0]
+        take = len(unit) if not max_rows else max_rows - busy - len(admit)
+        admit.extend(rows[i] for i in unit[:take])
+        if take >= len(unit):
+            waiting.popleft()
+        else:
+            waiting[0] = unit[take:]
+    return admit
+
+
 @functools.cache
 def _growing_layer():
     """A full-attention cache layer whose columns live in a buffer with room
     to spare: a step writes its new columns in place, where transformers'
-    `DynamicLayer` concatenates and so copies the whole cache every step (at
-    16 rows and 300 columns on SmolLM2 that copying was ~40% of a step).
+    `DynamicLayer` concatenates and so copies the whole cache every step
+    (a large share of a decode step: docs/benchmarks.md, issue 23).
 
     `keys`/`values` are views of the first `length` columns; the session's
     own surgery (cutting, padding and joining columns) goes through `assign`
@@ -282,6 +298,20 @@ def _growing_layer():
             self._k[:, :, n : n + w], self._v[:, :, n : n + w] = key_states, value_states
             self.keys, self.values = self._k[:, :, : n + w], self._v[:, :, : n + w]
             return self.keys, self.values
+
+        # transformers' own surgery replaces `keys` without the buffer behind
+        # it; colonnade never calls it, and a later update would then write
+        # into a stale buffer: refuse rather than go wrong.
+        is_croppable = False
+
+        def crop(self, max_length: int) -> None:
+            raise NotImplementedError("GrowingLayer: crop is not supported")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("GrowingLayer: batch_repeat_interleave is not supported")
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            raise NotImplementedError("GrowingLayer: reorder_cache is not supported")
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.get_seq_length() > 0:
@@ -490,16 +520,7 @@ class Engine:
             # may start in part: its rows still share one prefill), all
             # admitted rows prefilled together.
             free = [i for i, r in enumerate(live) if r is None]
-            busy = len(live) - len(free)
-            admit: list[_Row] = []
-            while waiting and (not max_rows or busy + len(admit) < max_rows):
-                unit = waiting[0]
-                take = len(unit) if not max_rows else max_rows - busy - len(admit)
-                admit.extend(rows[i] for i in unit[:take])
-                if take >= len(unit):
-                    waiting.popleft()
-                else:
-                    waiting[0] = unit[take:]
+            admit = _admitted(waiting, rows, len(live) - len(free), max_rows)
             if admit:
                 part = self._prefilled(admit, prefixes) if share else self._session(len(admit))
                 if share:
@@ -509,7 +530,7 @@ class Engine:
                     session, live = part, list(admit)
                 elif (
                     len(admit) <= len(free)
-                    and hasattr(session, "place")
+                    and isinstance(session, Reusing)
                     and session.place(free[: len(admit)], part)
                 ):
                     # Ended rows' places taken in place: no copy of the cache.
@@ -551,7 +572,7 @@ class Engine:
         if missing:
             made = self._session(len(missing))
             made.step([list(p[:-1]) for p in missing])
-            if not hasattr(made, "take"):  # a backend without row copies: no reuse
+            if not isinstance(made, Reusing):  # a backend without row copies: no reuse
                 made.keep(index)
                 return made
             for j, p in enumerate(missing):
