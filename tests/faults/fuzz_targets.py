@@ -30,7 +30,7 @@ import atheris
 # left alone (instrumented bytecode does not compile) and run as workers run them.
 with atheris.instrument_imports(
     include=["colonnade"],
-    exclude=["colonnade.pulse.kernels", "colonnade.pulse.rangecoder"],
+    exclude=["colonnade.pulse.kernels", "colonnade.pulse.rangecoder", "colonnade.pulse.rice"],
 ):
     import torch
     import zstandard
