@@ -118,7 +118,7 @@ class Publisher:
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         with self._pointing:
-            if self._created is not None and self.meta is not None and self.meta.version == v - 1:
+            if self._created is not None:  # set by this publisher's v - 1
                 gap = max(0.0, meta.created - self._created)
                 self.version_seconds = moving_gap(self.version_seconds, gap)
             self._created = meta.created

@@ -53,15 +53,12 @@ def weights_as_published(module: nn.Module, precision: str):
     rounds its own.
     """
     saved = []
-    seen: set[int] = set()
-    with torch.no_grad():
-        for p in module.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p.data
-            if id(local) in seen or precision == "exact":
-                continue
-            seen.add(id(local))
-            saved.append((local, local.clone()))
-            local.copy_(published_value(local, precision))
+    if precision != "exact":
+        with torch.no_grad():
+            for p in module.parameters():  # a tied weight comes once
+                local = p.to_local() if hasattr(p, "to_local") else p.data
+                saved.append((local, local.clone()))
+                local.copy_(published_value(local, precision))
     try:
         yield
     finally:
