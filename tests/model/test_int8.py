@@ -144,3 +144,72 @@ def test_a_model_directory_and_its_published_v0_run_identical_codes(tiny_dir, tm
         direct.state_dict().items(), worker.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), n
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0]
+
+
+def test_sibling_linears_run_as_one_and_give_the_same_logits(tiny_dir, tiny):
+    import copy
+
+    from colonnade.model.int8 import Siblings
+
+    model, tok = tiny
+    aliases, state = tied_aliases(model), int8_state(model)
+    fused = load_int8(copy.deepcopy(model), state, aliases)
+    apart = load_int8(copy.deepcopy(model), state, aliases, fuse=False)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert isinstance(attn.q_proj._siblings, Siblings)
+    assert attn.v_proj._siblings is attn.q_proj._siblings
+    assert mlp.gate_proj._siblings.sizes == [mlp.gate_proj.out_features] * 2
+    assert apart.model.layers[0].self_attn.q_proj._siblings is None
+    # The members still hold exactly their published codes (views of the stack).
+    key = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(attn.k_proj.codes, state[key])
+    assert attn.k_proj.codes.data_ptr() != state[key].data_ptr()
+    ids = torch.tensor([tok.encode("<search>gene GX3 protein</search> <information>GX3")])
+    a, b = _logits(fused, ids), _logits(apart, ids)
+    # Same arithmetic per output element; only the kernel chosen for the wider
+    # shape may differ (every kernel is within kernels.TOLERANCE of the exact value).
+    assert (a - b).abs().max() < 1e-3 * a.abs().max()
+
+
+def test_a_patch_into_one_sibling_reaches_the_stacked_layer(tiny_dir, tiny):
+    import copy
+
+    model, tok = tiny
+    aliases, first = tied_aliases(model), int8_state(model)
+    newer = dict(first)
+    key = "model.layers.1.self_attn.v_proj.weight"
+    newer[key] = -first[key]
+    newer[key + SCALE_SUFFIX] = first[key + SCALE_SUFFIX] * 2
+    ids = torch.tensor([tok.encode("<search>gene GX3 protein</search>")])
+    patched = load_int8(copy.deepcopy(model), first, aliases)
+    _logits(patched, ids)  # packed forms made from the old codes
+    load_int8(patched, newer, aliases, {key, key + SCALE_SUFFIX})
+    fresh = load_int8(copy.deepcopy(model), newer, aliases)
+    assert torch.equal(_logits(patched, ids), _logits(fresh, ids))
+    stacked = patched.model.layers[1].self_attn.v_proj._siblings.layer
+    q, k = (patched.model.layers[1].self_attn.q_proj, patched.model.layers[1].self_attn.k_proj)
+    assert torch.equal(stacked.codes[q.out_features + k.out_features :], newer[key])
+
+
+def test_siblings_called_out_of_pattern_still_compute_their_own_outputs():
+    from colonnade.model.int8 import Siblings
+
+    torch.manual_seed(0)
+    members = [
+        Int8Linear(torch.randint(-127, 128, (n, 32), dtype=torch.int8), torch.rand(n) * 0.01, b)
+        for n, b in ((16, torch.randn(16)), (8, None))
+    ]
+    alone = [Int8Linear(m.codes.clone(), m.scale.clone(), m.bias) for m in members]
+    Siblings(members)
+    x, y = torch.randn(3, 32), torch.randn(3, 32)
+    # Interleaved inputs, a member called twice. The stacked shape may run
+    # another kernel than each member's own (all within kernels.TOLERANCE).
+    for i, inp in ((0, x), (0, y), (1, x), (0, x), (1, y)):
+        got, want = members[i](inp), alone[i](inp)
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (i, inp is x)
+    assert members[1].bias is None and torch.equal(members[0].bias, alone[0].bias)

@@ -17,6 +17,13 @@ channels. On SmolLM2-135M it gave a next-token KL of 0.96 nats against fp32
 and log-probs that moved by up to 14 nats with the batch's make-up;
 weight-only int8 gives a KL of 0.01 and is as fast or faster.
 
+Sibling linears that read the same input (q/k/v, gate/up) run as one
+linear over their stacked codes (`Siblings`): at one row a decode step is
+hundreds of small matmuls, and each call costs its dispatch and conversions
+beside the arithmetic; one wider call streams the same bytes with fewer of
+them. The members keep their own codes and scales as views into the stacked
+ones, so a patch loads into them as before.
+
 Embedding tables are gathered, not multiplied, so they run dequantized in
 float32. On CUDA/MPS the same codes run dequantized.
 """
@@ -70,6 +77,8 @@ class Int8Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        # Set by `Siblings`: the stacked layer this one's output comes from.
+        object.__setattr__(self, "_siblings", None)
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
@@ -90,10 +99,16 @@ class Int8Linear(nn.Module):
         """A newer version's codes, in place (same shapes)."""
         self.codes.copy_(codes)
         self.scale.copy_(scale)
-        self._packed.clear()  # packed again from the new codes at their next call
-        self._last = None
+        self.forget_packed()
         if bias is not None and self.bias is not None:
             self.bias.data.copy_(bias)
+        if self._siblings is not None:  # our codes are a view of its stacked ones
+            self._siblings.layer.forget_packed()
+
+    def forget_packed(self) -> None:
+        """Pack the codes again at the next call (they were rewritten)."""
+        self._packed.clear()
+        self._last = None
 
     def kernel(self, rows: int) -> Kernel:
         """The kernel for a call with `rows` rows (chosen once per bucket)."""
@@ -115,6 +130,8 @@ class Int8Linear(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._siblings is not None:
+            return self._siblings.output(self, x)
         flat = x.reshape(-1, self.in_features)
         rows, last = flat.shape[0], self._last
         if last is None or last[0] != rows:
@@ -132,6 +149,84 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_rows(self.codes, self.scale)
+
+
+# Sibling linears of one parent module that every architecture colonnade runs
+# calls on the same input tensor, one after the other (attention's
+# projections, a gated MLP's two inputs).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """Int8Linears that read the same input, run as one linear over their
+    stacked codes: the first member called with an input computes every
+    member's output, the others take theirs from it.
+
+    The members' codes, scales and biases become views into the stacked
+    layer's, so loading a member's newer codes rewrites the stacked ones
+    (and drops their packed forms). An input is recognised by identity
+    (`is`), held until every member has taken its part: a member called with
+    any other tensor computes afresh, so a caller that does not follow the
+    pattern gets correct outputs, only without the saving.
+    """
+
+    def __init__(self, members: list[Int8Linear]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        if any(m.bias is not None for m in members):
+            bias = torch.cat(
+                [
+                    m.bias.data if m.bias is not None else torch.zeros(m.out_features)
+                    for m in members
+                ]
+            )
+        else:
+            bias = None
+        self.layer = Int8Linear(
+            torch.cat([m.codes for m in members]), torch.cat([m.scale for m in members]), bias
+        )
+        start = 0
+        for m, size in zip(members, self.sizes, strict=True):
+            rows = slice(start, start + size)
+            m.codes, m.scale = self.layer.codes[rows], self.layer.scale[rows]
+            object.__setattr__(m, "_scale", m.scale)
+            if m.bias is not None:
+                m.bias.data = self.layer.bias.data[rows]
+            object.__setattr__(m, "_siblings", self)
+            start += size
+        self._input: torch.Tensor | None = None
+        self._outputs: list[torch.Tensor] = []
+        self._waiting: set[int] = set()
+
+    def output(self, member: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+        i = next(j for j, m in enumerate(self.members) if m is member)
+        if x is not self._input or i not in self._waiting:
+            self._outputs = list(self.layer(x).split(self.sizes, dim=-1))
+            self._input, self._waiting = x, set(range(len(self.members)))
+        self._waiting.discard(i)
+        out = self._outputs[i]
+        if not self._waiting:  # every member served: hold nothing between calls
+            self._input, self._outputs = None, []
+        return out
+
+
+def fuse_siblings(model: nn.Module) -> int:
+    """Group every set of `SIBLINGS` Int8Linears of one parent with one
+    input width into `Siblings` (once; a model already grouped is left as
+    it is). Returns the number of groups made."""
+    made = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, Int8Linear) for m in members):
+                continue
+            if members[0]._siblings is not None:
+                continue
+            if len({m.in_features for m in members}) != 1:
+                continue
+            Siblings(members)
+            made += 1
+    return made
 
 
 def lookup(qstate: Mapping[str, torch.Tensor], name: str, aliases: Mapping[str, str]) -> str:
@@ -182,6 +277,7 @@ def load_int8(
     qstate: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     changed: Set[str] | None = None,
+    fuse: bool = True,
 ):
     """Run `qstate` (codes + scales) in `model` on CPU: linears become int8.
 
@@ -189,7 +285,8 @@ def load_int8(
     call: a swapped model no longer shows its ties). Calling again with a
     newer state replaces the weights in place of the previous ones; with
     `changed` (the state keys a patch rewrote), only those: a worker's stall
-    after a patch is then the apply, not a copy of the whole model.
+    after a patch is then the apply, not a copy of the whole model. `fuse`:
+    sibling linears run as one (`Siblings`); off only to measure the gain.
     """
     linear_names, other_names = split_linears(model)
     rest = {
@@ -209,6 +306,8 @@ def load_int8(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear(codes, scale, bias))
+    if fuse:
+        fuse_siblings(model)
     _copy_into(model, rest)
     return model
 
