@@ -85,7 +85,7 @@ def test_stop_strings_and_budgets_hold(engines):
         assert all("</search>" not in t[: -len("</search>")] for t in ep.turns)
 
 
-def test_shared_prefix_and_refill_keep_mlx_log_probs(engines):
+def test_shared_prefix_and_refill_keep_mlx_log_probs(engines, monkeypatch):
     # The MLX session takes joining groups too (left-padded caches): what
     # it records is still the teacher-forced MLX pass, within 1e-4.
     from rollout.test_continuous import _groups, _responders
@@ -94,12 +94,100 @@ def test_shared_prefix_and_refill_keep_mlx_log_probs(engines):
     tok = mlx.tokenizer
     prompts = _groups(tok, 3)
     params = SamplingParams(max_turn_tokens=5, max_episode_tokens=60)
+    placed = _placements(monkeypatch)
     eps = mlx.generate(
         prompts, _responders(len(prompts), lambda i: 1 + i % 3), params, seed=2, max_rows=4
     )
+    # The refills went through `place` (rows written into ended rows in
+    # place), not only through re-joining the cache.
+    assert any(ok and theirs for ok, theirs in placed)
     diffs = []
     for ep in eps:
         ref = mlx.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
         mine = torch.tensor(ep.from_model)
         diffs.append((ref[mine] - torch.tensor(ep.logprobs)[mine]).abs())
     assert torch.cat(diffs).max() < 1e-4
+
+
+def _placements(monkeypatch) -> list[tuple[bool, int]]:
+    """(what `place` returned, columns placed) for every MLX `place` call."""
+    from colonnade.rollout.mlx_engine import _MlxSession
+
+    calls, place = [], _MlxSession.place
+
+    def recorded(self, slots, other):
+        ok = place(self, slots, other)
+        calls.append((ok, other.layout.real.shape[1]))
+        return ok
+
+    monkeypatch.setattr(_MlxSession, "place", recorded)
+    return calls
+
+
+def _alone(mlx, *chunks):
+    """Next-token logits [V] of one row fed these chunks in order, in a session of its own."""
+    session = mlx._session(1)
+    for chunk in chunks:
+        logits = session.step([list(chunk)])
+    return logits[0]
+
+
+def test_mlx_sessions_copy_rows_and_write_them_in_place(engines):
+    from colonnade.rollout.engine import Reusing
+
+    mlx, _ = engines
+    a, b, c = _prompts(mlx.tokenizer)[:3]
+    assert len({len(a), len(b), len(c)}) == 3  # rows padded inside the cache
+    session = mlx._session(3)
+    assert isinstance(session, Reusing)
+    session.step([a, b, c])
+    session.step([[7], [8], [9]])
+    # Copies (a row twice): each goes on as the row it was copied from.
+    copy = session.take([2, 0, 2])
+    got = copy.step([[5], [6], [5]])
+    assert torch.allclose(got[0], _alone(mlx, c, [9], [5]), atol=1e-4)
+    assert torch.allclose(got[1], _alone(mlx, a, [7], [6]), atol=1e-4)
+    assert torch.equal(got[0], got[2])
+    # Another session's row written over rows 0 and 2, right-aligned on
+    # this session's wider cache: those rows are now that prompt's; row 1 goes on.
+    other = mlx._session(1)
+    other.step([b[:-1]])
+    assert session.place([0, 2], other.take([0, 0]))
+    got = session.step([[b[-1]], [4], [b[-1]]])
+    assert torch.allclose(got[0], _alone(mlx, b[:-1], b[-1:]), atol=1e-4)
+    assert torch.equal(got[0], got[2])
+    assert torch.allclose(got[1], _alone(mlx, b, [8], [4]), atol=1e-4)
+    # The copy taken before kept its own rows.
+    assert torch.allclose(copy.step([[3]] * 3)[1], _alone(mlx, a, [7], [6], [3]), atol=1e-4)
+    # Rows with more columns than the session holds do not fit: nothing done.
+    width = other.layout.real.shape[1]
+    assert not other.place([0], session.take([1]))
+    assert other.layout.real.shape[1] == width
+
+
+@pytest.mark.parametrize("max_rows", [8, 6])
+def test_an_mlx_group_is_prefilled_once_and_the_batch_refills(engines, max_rows, monkeypatch):
+    # The torch test (test_continuous) on the MLX engine: a group's prompt
+    # is prefilled once, its rows copies of it, and rows that free up are
+    # refilled in place.
+    from colonnade.rollout.mlx_engine import MlxEngine
+    from rollout.test_continuous import _Counting, _groups, _responders
+
+    mlx, _ = engines
+    tok = mlx.tokenizer
+    engine = MlxEngine(mlx.model, tok, mlx.version)  # the shared engine stays unwrapped
+    prompts = _groups(tok, 4)  # 4 groups of 4
+    params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
+    seen = _Counting(engine)
+    placed = _placements(monkeypatch)
+    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=max_rows)
+    assert len(eps) == 16 and all(ep.tokens for ep in eps)
+    # One prefill row per distinct prompt, once (6 rows: the second group
+    # is admitted in parts and its later rows copy the kept prefix).
+    prefills = [steps for steps in seen.by_session if len(steps) == 1]
+    assert seen.steps[0] == 2
+    assert sum(steps[0] for steps in prefills) == 4
+    assert max(seen.steps) <= max_rows
+    main = max(seen.by_session, key=len)
+    assert sum(n == max_rows for n in main) > min(len(ep.tokens) for ep in eps[:max_rows])
+    assert any(ok and theirs for ok, theirs in placed)

@@ -417,6 +417,43 @@ class _MlxSession:
             k, v = c.keys_and_values()
             c.keys, c.values = k[index, :, drop:], v[index, :, drop:]
             c._idx = c.keys.shape[2]
+        self.batch = len(rows)
+
+    def take(self, rows: list[int]) -> _MlxSession:
+        """A new session holding copies of these rows (`Reusing`)."""
+        out = self.engine._session(len(rows))
+        out.layout = self.layout.take(rows)
+        drop = out.layout.trim()
+        index = self.mx.array(rows)
+        for mine, copy in zip(self.cache, out.cache, strict=True):
+            if mine.keys is None:  # never stepped: nothing cached
+                continue
+            k, v = mine.keys_and_values()
+            copy.keys, copy.values = k[index, :, drop:], v[index, :, drop:]
+            copy._idx = copy.keys.shape[2]
+        # Evaluated now: the copy stands on its own (a prefix kept for a
+        # group's later rows holds none of the prefill batch's arrays).
+        self.mx.eval(*[a for c in out.cache if c.keys is not None for a in (c.keys, c.values)])
+        return out
+
+    def place(self, slots: list[int], other: _MlxSession) -> bool:
+        """`other`'s rows into these rows (ended episodes'), in place (`Reusing`);
+        False, nothing done, when `other` holds more columns."""
+        width, theirs = self.layout.real.shape[1], other.layout.real.shape[1]
+        if theirs > width:
+            return False
+        self.layout.place(slots, other.layout)
+        if not theirs:  # rows that have not run yet (no prefill): nothing cached
+            return True
+        index = self.mx.array(slots)
+        # Written into the preallocated storage at this session's last
+        # `theirs` columns (`_idx` == width); the ended rows' older columns
+        # stay, masked out of every query. Evaluated with the next step.
+        for mine, new in zip(self.cache, other.cache, strict=True):
+            k, v = new.keys_and_values()
+            mine.keys[index, :, width - theirs : width] = k
+            mine.values[index, :, width - theirs : width] = v
+        return True
 
     def extend(self, other: _MlxSession) -> None:
         pad_a, pad_b = self.layout.extend(other.layout)
