@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from colonnade.bench.rollout import main, weight_bytes
-from colonnade.model.kernels import KERNELS
+from colonnade.model.kernels import KERNELS, STACKING
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
-KEYS = {"model", "batch", "fp32_tok_s", "int8_tok_s", "hf_generate_tok_s", "peak_rss_mb"}
+KEYS = {
+    "model", "batch", "fp32_tok_s", "int8_tok_s", "int8_apart_tok_s", "hf_generate_tok_s",
+    "fused_over_apart", "peak_rss_mb",
+}  # fmt: skip
 
 
 def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys):
@@ -24,13 +27,14 @@ def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys):
     for r in rows:
         assert set(r) >= KEYS
         assert r["fp32_tok_s"] > 0 and r["int8_tok_s"] > 0 and r["hf_generate_tok_s"] > 0
+        assert r["int8_apart_tok_s"] > 0 and r["fused_over_apart"] > 0
         assert r["peak_rss_mb"] > 0
         assert r["int8_bandwidth_fraction"] > 0 and r["fp32_bandwidth_fraction"] > 0
     # The machine the figures come from, and the kernels this run measured
     # for every int8 linear shape of the tiny model at the rows it ran.
     assert machine["cpu"] and machine["threads"] >= 1 and machine["copy_bandwidth_gb_s"] > 0
     kernels = machine["int8_kernels"]
-    assert kernels and set(kernels.values()) <= set(KERNELS)
+    assert kernels and set(kernels.values()) <= set(KERNELS) | set(STACKING)
     assert any(slot.endswith("@1") for slot in kernels)
 
 

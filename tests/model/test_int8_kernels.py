@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from colonnade.model import int8 as int8_module
 from colonnade.model import kernels
 from colonnade.model.int8 import Int8Linear
 from colonnade.model.kernels import KERNELS, ROW_BUCKETS, Kernel, Planner, bucket
@@ -191,3 +192,61 @@ def test_processes_sharing_the_cache_keep_each_others_slots(tmp_path, monkeypatc
     assert b.summary() == {}
     b.choose(32, 64, 1)
     assert len(calls) == 3  # forgotten: measured again
+
+
+def test_the_planner_stacks_siblings_only_where_one_wide_call_is_faster(tmp_path, monkeypatch):
+    # A wide weight streamed slower than two narrow ones (torch's int8
+    # kernel at 1 row here): the planner keeps a call per member there.
+    def measure(out_f, in_f, rows, names=None):
+        per_row = 1e-6 if rows == 1 and out_f > 100 else 1e-7
+        return {"int8pack": out_f * per_row, "float": 1.0}
+
+    monkeypatch.setattr(kernels, "measure", measure)
+    monkeypatch.delenv(kernels.FORCE_ENV, raising=False)
+    p = Planner(tmp_path / "k.json")
+    assert not p.stacks((64, 64), 32, 1)  # 128 wide: 1.28e-4 against 2 × 6.4e-6
+    assert p.stacks((64, 64), 32, 16)  # 1.28e-5 against 1.28e-5: the one call wins ties
+    doc = json.loads((tmp_path / "k.json").read_text())
+    assert doc["choices"]["stack 64+64x32@1"] == "apart"
+    assert doc["choices"]["stack 64+64x32@16"] == "stacked"
+
+    def boom(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernels, "measure", boom)
+    again = Planner(tmp_path / "k.json")  # another process: read, not measured
+    assert not again.stacks((64, 64), 32, 1) and again.stacks((64, 64), 32, 9)
+
+
+def test_siblings_run_apart_where_the_planner_says_so(monkeypatch):
+    from colonnade.model.int8 import Siblings
+
+    decisions = []
+
+    class Fake:
+        def stacks(self, sizes, in_f, rows):
+            decisions.append((sizes, in_f, rows))
+            return rows > 1
+
+        def choose(self, out_f, in_f, rows):
+            return KERNELS["float"]
+
+    monkeypatch.setattr(int8_module, "planner", lambda: Fake())
+    torch.manual_seed(0)
+    members = [
+        Int8Linear(torch.randint(-127, 128, (n, 32), dtype=torch.int8), torch.rand(n), None)
+        for n in (24, 8)
+    ]
+    group = Siblings(members)
+    calls = []
+    real = group.layer.alone
+    monkeypatch.setattr(group.layer, "alone", lambda x: calls.append(x) or real(x))
+    one, many = torch.randn(1, 32), torch.randn(5, 32)
+    for x in (one, many, one):
+        got = [m(x) for m in members]
+        want = [x.to(torch.bfloat16).float() @ m.dequantized().t() for m in members]
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max() <= 1e-3 * w.abs().max()
+    # 1 row: each member alone; 5 rows: the stacked layer once for both members.
+    assert [c.shape[0] for c in calls] == [5]
+    assert decisions == [((24, 8), 32, 1), ((24, 8), 32, 5)]  # once per bucket

@@ -92,10 +92,24 @@ def load_engines(name: str, mlx: bool) -> dict:
 
     path = resolve_model(name, _tiny_texts() if name == "tiny" else None)
     engines = {"fp32": load_engine(path, "fp32", "cpu"), "int8": load_engine(path, "int8", "cpu")}
+    engines["int8_apart"] = _int8_apart(path)
     if mlx:
         for precision in ("fp32", "bf16", "int8"):
             engines[f"mlx_{precision}"] = load_engine(path, precision, engine="mlx")
     return engines
+
+
+def _int8_apart(path: str):
+    """The int8 engine with every linear called on its own (no `Siblings`):
+    what fusing sibling linears gains, measured beside it."""
+    from colonnade import pulse
+    from colonnade.model import load_int8, load_model, publishable_state, tied_aliases
+    from colonnade.rollout import Engine
+
+    model, tok = load_model(path, dtype=torch.float32)
+    aliases = tied_aliases(model)
+    state = pulse.prepare(publishable_state(model), "int8")
+    return Engine(load_int8(model, state, aliases, fuse=False).eval(), tok)
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -190,6 +204,8 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
     row = {"batch": batch, **{f"{k}_tok_s": round(r, 1) for k, r in rates.items()}}
     row["hf_generate_tok_s"] = round(hf_rate, 1)
     row["int8_over_fp32"] = round(rates["int8"] / rates["fp32"], 2)
+    if "int8_apart" in rates:
+        row["fused_over_apart"] = round(rates["int8"] / rates["int8_apart"], 2)
     row["ours_fp32_over_generate"] = round(rates["fp32"] / hf_rate, 2)
     if "mlx_int8" in rates:
         row["mlx_int8_over_torch_int8"] = round(rates["mlx_int8"] / rates["int8"], 2)
@@ -341,8 +357,10 @@ COLUMNS = [
     ("batch", "batch"),
     ("ours fp32 tok/s", "fp32_tok_s"),
     ("ours int8 tok/s", "int8_tok_s"),
+    ("int8 unfused tok/s", "int8_apart_tok_s"),
     ("generate tok/s", "hf_generate_tok_s"),
     ("int8/fp32", "int8_over_fp32"),
+    ("fused/unfused", "fused_over_apart"),
     ("ours fp32/generate", "ours_fp32_over_generate"),
     ("fp32 BW share", "fp32_bandwidth_fraction"),
     ("int8 BW share", "int8_bandwidth_fraction"),

@@ -132,6 +132,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._siblings is not None:
             return self._siblings.output(self, x)
+        return self.alone(x)
+
+    def alone(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer's output from its own codes (also a sibling's, where
+        a call per member is the faster way)."""
         flat = x.reshape(-1, self.in_features)
         rows, last = flat.shape[0], self._last
         if last is None or last[0] != rows:
@@ -160,7 +165,9 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class Siblings:
     """Int8Linears that read the same input, run as one linear over their
     stacked codes: the first member called with an input computes every
-    member's output, the others take theirs from it.
+    member's output, the others take theirs from it. Where the planner
+    measured a call per member faster at a number of rows
+    (`Planner.stacks`), each member runs alone instead.
 
     The members' codes, scales and biases become views into the stacked
     layer's, so loading a member's newer codes rewrites the stacked ones
@@ -197,8 +204,21 @@ class Siblings:
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._waiting: set[int] = set()
+        self._stack: list[bool | None] = [None] * len(ROW_BUCKETS)
+        self._last: tuple[int, bool] = (0, True)  # rows of the last call, and its choice
+
+    def stacked(self, rows: int) -> bool:
+        """Whether a call with `rows` rows runs the stacked codes (chosen once per bucket)."""
+        if self._last[0] != rows:
+            b = bucket(rows)
+            if self._stack[b] is None:
+                self._stack[b] = planner().stacks(tuple(self.sizes), self.layer.in_features, rows)
+            self._last = (rows, bool(self._stack[b]))
+        return self._last[1]
 
     def output(self, member: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self.stacked(x.numel() // self.layer.in_features):
+            return member.alone(x)
         i = next(j for j, m in enumerate(self.members) if m is member)
         if x is not self._input or i not in self._waiting:
             self._outputs = list(self.layer(x).split(self.sizes, dim=-1))

@@ -45,6 +45,8 @@ ROW_BUCKETS = (1, 4, 16, 64, 256)
 TOLERANCE = 2.0**-8
 
 CACHE_VERSION = 1
+# A stacking slot's choice (`Planner.stacks`), kept beside the kernels'.
+STACKING = ("stacked", "apart")
 FORCE_ENV = "COLONNADE_INT8_KERNEL"
 
 
@@ -260,6 +262,31 @@ class Planner:
                 self._save()
         return KERNELS[name]
 
+    def stacks(self, sizes: tuple[int, ...], in_f: int, rows: int) -> bool:
+        """Whether one call over sibling linears' stacked codes (out widths
+        `sizes`, one input width) beats a call per member at `rows` rows.
+
+        Measured, not assumed: one wide call saves the per-call costs, but
+        a kernel can stream a wide weight slower than two narrow ones
+        (torch's int8 kernel at 1 row, docs/benchmarks.md). Each side runs
+        its fastest correct kernel. Forced kernels always stack.
+        """
+        if self.forced is not None:
+            return True
+        b = bucket(rows)
+        slot = f"stack {'+'.join(map(str, sizes))}x{in_f}@{ROW_BUCKETS[b]}"
+        with self._lock:
+            name = self.choices.get(slot)
+            if name not in STACKING:
+                r = ROW_BUCKETS[b]
+                fused = min(measure(sum(sizes), in_f, r).values(), default=float("inf"))
+                apart = sum(min(measure(n, in_f, r).values(), default=float("inf")) for n in sizes)
+                name = STACKING[0] if fused <= apart else STACKING[1]
+                self.choices[slot] = name
+                self.timings[slot] = {STACKING[0]: fused, STACKING[1]: apart}
+                self._save()
+        return name == STACKING[0]
+
     def forget(self) -> None:
         """Measure every slot again at its next use (a benchmark's fresh start)."""
         with self._lock:
@@ -282,7 +309,7 @@ class Planner:
             return {
                 str(k): v
                 for k, v in doc.get("choices", {}).items()
-                if isinstance(v, str) and v in KERNELS
+                if isinstance(v, str) and (v in KERNELS or v in STACKING)
             }
         except (OSError, ValueError, AttributeError) as e:
             log.warning("kernel cache %s unreadable (%s): measuring again", self.path, e)
