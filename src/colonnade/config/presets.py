@@ -89,9 +89,13 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
             "preset": "searchqa",
             "max_versions": 30,
             "lr": 1e-5,
-            # Without it the fp32 step on 32 SmolLM2 episodes holds ~15 GB of
-            # activations: the trainer was killed for memory on a 24 GB machine.
+            # Without these the step on 32 SmolLM2 episodes held 12-15 GB
+            # (activations, and 4096 positions' fp32 logits over a 49k
+            # vocabulary at once): a trainer beside two workers and an eval
+            # was killed for memory on a 24 GB machine.
             "grad_ckpt": True,
+            "micro_tokens": 4096,
+            "logit_chunk_tokens": 1024,
             "group_size": 8,
             "groups_per_step": 4,
         },
@@ -108,7 +112,10 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
             "preset": "searchqa",
             "max_versions": 100,
             "lr": 1e-5,
-            "grad_ckpt": True,  # as smol: two-search episodes are longer still
+            # As smol: two-search episodes are longer still.
+            "grad_ckpt": True,
+            "micro_tokens": 4096,
+            "logit_chunk_tokens": 1024,
             "group_size": 8,
             "groups_per_step": 4,
         },

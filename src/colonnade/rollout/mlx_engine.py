@@ -344,6 +344,7 @@ def _same(old: tuple | None, new: tuple) -> bool:
     return old is not None and all(a is b for a, b in zip(old, new, strict=True))
 
 
+@functools.cache
 def _layer_cache_class():
     """`_LayerCache`, defined once mlx-lm is importable."""
     from mlx_lm.models.cache import BatchKVCache
