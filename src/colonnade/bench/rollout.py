@@ -102,14 +102,12 @@ def load_engines(name: str, mlx: bool) -> dict:
 def _int8_apart(path: str):
     """The int8 engine with every linear called on its own (no `Siblings`):
     what fusing sibling linears gains, measured beside it."""
-    from colonnade import pulse
-    from colonnade.model import load_int8, load_model, publishable_state, tied_aliases
+    from colonnade.model import int8_state, load_int8, load_model, tied_aliases
     from colonnade.rollout import Engine
 
     model, tok = load_model(path, dtype=torch.float32)
-    aliases = tied_aliases(model)
-    state = pulse.prepare(publishable_state(model), "int8")
-    return Engine(load_int8(model, state, aliases, fuse=False).eval(), tok)
+    aliases = tied_aliases(model)  # before the load: an int8 model no longer shows its ties
+    return Engine(load_int8(model, int8_state(model), aliases, fuse=False).eval(), tok)
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:

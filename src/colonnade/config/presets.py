@@ -37,6 +37,16 @@ TRAINER_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Without these a step on 32 SmolLM2 episodes held 12-15 GB (activations, and
+# 4096 positions' fp32 logits over a 49k vocabulary at once): a trainer beside
+# two workers and an eval was killed for memory on a 24 GB machine.
+_SMOLLM2_STEP_MEMORY: dict[str, Any] = {
+    "grad_ckpt": True,
+    "micro_tokens": 4096,
+    "logit_chunk_tokens": 1024,
+}
+
+
 RUN_PRESETS: dict[str, dict[str, Any]] = {
     # Under 3 minutes on 2 cores: the smoke env, a short warm start.
     "smoke": {
@@ -89,13 +99,7 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
             "preset": "searchqa",
             "max_versions": 30,
             "lr": 1e-5,
-            # Without these the step on 32 SmolLM2 episodes held 12-15 GB
-            # (activations, and 4096 positions' fp32 logits over a 49k
-            # vocabulary at once): a trainer beside two workers and an eval
-            # was killed for memory on a 24 GB machine.
-            "grad_ckpt": True,
-            "micro_tokens": 4096,
-            "logit_chunk_tokens": 1024,
+            **_SMOLLM2_STEP_MEMORY,
             "group_size": 8,
             "groups_per_step": 4,
         },
@@ -112,10 +116,7 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
             "preset": "searchqa",
             "max_versions": 100,
             "lr": 1e-5,
-            # As smol: two-search episodes are longer still.
-            "grad_ckpt": True,
-            "micro_tokens": 4096,
-            "logit_chunk_tokens": 1024,
+            **_SMOLLM2_STEP_MEMORY,  # two-search episodes are longer still
             "group_size": 8,
             "groups_per_step": 4,
         },

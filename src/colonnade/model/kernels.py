@@ -252,15 +252,26 @@ class Planner:
         fits = fitting(out_f, in_f)
         if self.forced is not None:
             return KERNELS[self.forced if self.forced in fits else FALLBACK]
-        slot = self._slot(out_f, in_f, bucket(rows))
+        b = bucket(rows)
+        slot = self._slot(out_f, in_f, b)
         with self._lock:
             name = self.choices.get(slot)
             if name is None or name not in fits:
-                times = measure(out_f, in_f, ROW_BUCKETS[bucket(rows)], fits)
-                name = min(times, key=times.__getitem__) if times else FALLBACK
-                self.choices[slot], self.timings[slot] = name, times
+                self._measured(out_f, in_f, b)
+                name = self.choices[slot]
                 self._save()
         return KERNELS[name]
+
+    def _measured(self, out_f: int, in_f: int, b: int) -> dict[str, float]:
+        """The candidates' times at (shape, bucket), measured once in this
+        process, the fastest recorded as the slot's choice. Caller holds the lock."""
+        slot = self._slot(out_f, in_f, b)
+        times = self.timings.get(slot)
+        if times is None:
+            times = measure(out_f, in_f, ROW_BUCKETS[b], fitting(out_f, in_f))
+            self.timings[slot] = times
+            self.choices[slot] = min(times, key=times.__getitem__) if times else FALLBACK
+        return times
 
     def stacks(self, sizes: tuple[int, ...], in_f: int, rows: int) -> bool:
         """Whether one call over sibling linears' stacked codes (out widths
@@ -278,9 +289,12 @@ class Planner:
         with self._lock:
             name = self.choices.get(slot)
             if name not in STACKING:
-                r = ROW_BUCKETS[b]
-                fused = min(measure(sum(sizes), in_f, r).values(), default=float("inf"))
-                apart = sum(min(measure(n, in_f, r).values(), default=float("inf")) for n in sizes)
+                # The same measurements choose each side's kernel: the stack's
+                # and the members' slots are chosen here, not measured again.
+                def best(out_f: int) -> float:
+                    return min(self._measured(out_f, in_f, b).values(), default=float("inf"))
+
+                fused, apart = best(sum(sizes)), sum(best(n) for n in sizes)
                 name = STACKING[0] if fused <= apart else STACKING[1]
                 self.choices[slot] = name
                 self.timings[slot] = {STACKING[0]: fused, STACKING[1]: apart}
