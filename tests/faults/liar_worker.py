@@ -1,4 +1,10 @@
-"""A worker that forges its behaviour log-probs (claims near-certainty): for fault tests.
+"""A worker that forges its behaviour log-probs: for fault tests.
+
+It claims every sampled token was e times less likely than it was, which
+inflates the ratio π/μ the loss weighs it by. The forgery is a fixed shift,
+so its mismatch KL (1 nat/token) does not depend on how confident the
+policy is (claiming near-certainty did: against a warm-started policy whose
+tokens average -0.09 nats it stood barely above the floor).
 
 python liar_worker.py --store DIR --id NAME
 """
@@ -16,7 +22,9 @@ class LiarWorker(Worker):
         batch = super().make_batch()
         for g in batch.groups:
             for e in g.episodes:
-                e.logprobs = [-0.01 if m else 0.0 for m in e.from_model]
+                e.logprobs = [
+                    lp - 1.0 if m else lp for lp, m in zip(e.logprobs, e.from_model, strict=True)
+                ]
         return batch
 
 

@@ -71,6 +71,7 @@ def test_a_lying_worker_is_quarantined(tmp_path):
             p.kill()
             p.wait()
     store = LocalStore(root)
+    assert store.exists("trainer/quarantine.json"), (tmp_path / "trainer.log").read_text()[-3000:]
     quarantine = json.loads(store.get("trainer/quarantine.json"))
     assert list(quarantine) == ["liar"], quarantine
     assert "mismatch KL" in quarantine["liar"]["reason"]

@@ -12,7 +12,7 @@ from test_samples_and_step import (  # noqa: F401 - sqa fixture below
 
 from colonnade.protocol import GroupRecord
 from colonnade.protocol.metrics import add_gate_stats
-from colonnade.train.quarantine import QuarantineConfig, like_for_like, outliers
+from colonnade.train.quarantine import QuarantineConfig, like_for_like, outliers, pool
 from colonnade.train.step import StepConfig, policy_logprobs, train_step
 
 CFG = QuarantineConfig(factor=5.0, min_tokens=100)
@@ -22,9 +22,18 @@ def _s(tokens, kept, kl):
     return {"tokens": tokens, "kept": kept, "kl_sum": kl * tokens}
 
 
-def _judged(step):
-    """outliers() of one step's {worker: {version: stats}}."""
-    return outliers(like_for_like(step), CFG)
+def _pooled(*steps, version=4):
+    """Steps' {worker: {behaviour version: stats}} pooled, each training
+    version − 1 into `version`."""
+    out = {}
+    for step in steps:
+        pool(out, version, step)
+    return out
+
+
+def _judged(*steps):
+    """outliers() of steps' {worker: {version: stats}} that made version 4."""
+    return outliers(like_for_like(_pooled(*steps)), CFG)
 
 
 def test_outliers_rule():
@@ -40,7 +49,7 @@ def test_outliers_rule():
     # Too little evidence, a lone worker, quarantine off: no decision.
     assert _judged({**honest, "x": {"3": _s(50, 10, 3.0)}}) == {}
     assert _judged({"x": {"3": _s(1000, 10, 3.0)}}) == {}
-    assert outliers(like_for_like(liar), QuarantineConfig(factor=0)) == {}
+    assert outliers(like_for_like(_pooled(liar)), QuarantineConfig(factor=0)) == {}
     # Two workers: the honest one is never flagged for the liar's figures.
     assert list(_judged({"a": honest["a"], "x": liar["x"]})) == ["x"]
     total = {}
@@ -54,16 +63,33 @@ def test_a_worker_with_older_batches_is_compared_like_for_like():
     # v3 rows do. Before, a worker whose batches happened to be older than
     # the other's (0.24 against 0.03) was quarantined; an honest one is not.
     stale = {"a": {"1": _s(1000, 990, 0.24)}, "b": {"3": _s(1000, 995, 0.03)}}
-    assert like_for_like(stale) == {}  # no version in common: nothing to judge
+    assert like_for_like(_pooled(stale)) == {}  # no lag in common: nothing to judge
     mixed = {"a": {"1": _s(500, 495, 0.24), "3": _s(500, 498, 0.03)},
              "b": {"1": _s(300, 297, 0.25), "3": _s(700, 696, 0.03)}}  # fmt: skip
     assert _judged(mixed) == {}
-    t = like_for_like(mixed)["a"]
+    t = like_for_like(_pooled(mixed))["a"]
     assert t["tokens"] == 1000 and t["kl"] / 1000 == pytest.approx((0.24 + 0.03) / 2)
     assert t["ref_kl"] / 1000 == pytest.approx((0.25 + 0.03) / 2)
     # A liar among like batches still stands out, at any staleness.
     liar = {**mixed, "x": {"1": _s(500, 480, 2.0)}}
     assert list(_judged(liar)) == ["x"]
+
+
+def test_workers_are_compared_across_steps_at_the_same_lag():
+    # Small steps often hold one worker's batches only (a fault test's run of
+    # 56-token steps judged nobody when steps were matched within themselves).
+    # Pooled by lag, a step of the honest worker's and a later step of the
+    # liar's, both one version behind, are compared.
+    honest, liar = {"a": {"3": _s(300, 299, 0.01)}}, {"x": {"4": _s(300, 290, 1.0)}}
+    pooled = {}
+    pool(pooled, 5, honest)  # trained v4: v3 rows are 1 behind
+    pool(pooled, 6, liar)  # trained v5: v4 rows are 1 behind
+    assert set(pooled["a"]) == set(pooled["x"]) == {1}
+    assert list(outliers(like_for_like(pooled), CFG)) == ["x"]
+    # A forgery that alternates its sign per row is counted by magnitude.
+    flip = {"x": {"3": _s(150, 150, 1.0), "2": _s(150, 150, -1.0)}}
+    fair = {"a": {"3": _s(150, 150, 0.01), "2": _s(150, 150, 0.01)}}
+    assert list(_judged(fair, flip)) == ["x"]
 
 
 def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
@@ -99,7 +125,7 @@ def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
     assert {w: sum(s["tokens"] for s in vs.values()) for w, vs in per_v.items()} == {
         w: s["tokens"] for w, s in by.items()
     }
-    totals = like_for_like(per_v)
+    totals = like_for_like(_pooled(per_v))
     assert list(outliers(totals, QuarantineConfig(min_tokens=1))) == ["liar"]
 
 

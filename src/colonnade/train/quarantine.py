@@ -10,9 +10,12 @@ decision is logged and written to the store.
 
 Mismatch grows with staleness (π has moved on from the version that made a
 batch), so workers are compared like for like: each worker's rows against
-the median of the other workers' rows made with the same version and
-trained in the same step. A worker whose batches happened to be older than
-the rest is not an outlier; rows no other worker matched are not judged.
+the median of the other workers' rows of the same lag (versions between the
+one that made the batch and the one it was trained at), pooled over the run.
+A worker whose batches happened to be older than the rest is not an
+outlier; a lag no other worker sent is not judged. Pooling across steps
+matters with small steps, where one step often holds one worker's batches
+only: matching within a step judged nobody there.
 """
 
 from __future__ import annotations
@@ -38,26 +41,44 @@ class QuarantineConfig:
 
 # What `like_for_like` sums per worker: tokens, then per-token figures × tokens.
 REFERENCED = ("tokens", "kl", "ref_kl", "masked", "ref_masked")
+POOLED = ("tokens", "kl", "masked")  # per worker and lag: tokens, figures × tokens
 
 
-def like_for_like(step: dict[str, dict[str, dict]]) -> dict[str, dict]:
-    """One step's {worker: {version: gate stats}} as {worker: its stats on the rows
-    whose version other workers also sent, with the others' median per-token
-    figures on those rows (× its tokens) as `ref_kl` and `ref_masked`}."""
-    out: dict[str, dict] = {}
-    for v in sorted({v for per_v in step.values() for v in per_v}):
-        at = {w: per_v[v] for w, per_v in step.items() if per_v.get(v, {}).get("tokens")}
-        for w, s in at.items():
-            others = [gate_figures(o) for u, o in at.items() if u != w]
-            if not others:
+def pool(pooled: dict[str, dict[int, dict]], version: int, step: dict[str, dict[str, dict]]):
+    """Add one step's {worker: {behaviour version: gate stats}}, which trained
+    version − 1 into `version`, to `pooled` {worker: {lag: POOLED sums}}. Each
+    row's mismatch counts by magnitude, so a worker cannot cancel a forgery
+    of one sign by one of the other."""
+    for w, per_v in step.items():
+        for b, s in per_v.items():
+            if not s.get("tokens"):
                 continue
-            t = out.setdefault(w, dict.fromkeys(REFERENCED, 0.0))
             kl, masked = gate_figures(s)
+            t = pooled.setdefault(w, {}).setdefault(
+                version - 1 - int(b), dict.fromkeys(POOLED, 0.0)
+            )
             t["tokens"] += s["tokens"]
             t["kl"] += kl * s["tokens"]
             t["masked"] += masked * s["tokens"]
-            t["ref_kl"] += statistics.median(o[0] for o in others) * s["tokens"]
-            t["ref_masked"] += statistics.median(o[1] for o in others) * s["tokens"]
+
+
+def like_for_like(pooled: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """{worker: its pooled figures on the lags other workers also sent, with
+    the others' median per-token figures at each lag (× its tokens) as `ref_kl`
+    and `ref_masked`}."""
+    out: dict[str, dict] = {}
+    for w, per_lag in pooled.items():
+        for lag, t in per_lag.items():
+            others = [o[lag] for u, o in pooled.items() if u != w and lag in o]
+            if not others:
+                continue
+            n = t["tokens"]
+            tot = out.setdefault(w, dict.fromkeys(REFERENCED, 0.0))
+            tot["tokens"] += n
+            tot["kl"] += t["kl"]
+            tot["masked"] += t["masked"]
+            tot["ref_kl"] += statistics.median(o["kl"] / o["tokens"] for o in others) * n
+            tot["ref_masked"] += statistics.median(o["masked"] / o["tokens"] for o in others) * n
     return out
 
 
@@ -86,17 +107,16 @@ class Ledger:
     cfg: QuarantineConfig
     # worker -> why and when (trainer/quarantine.json)
     decisions: dict[str, QuarantineDecision] = field(default_factory=dict)
-    totals: dict[str, dict] = field(default_factory=dict)  # summed like_for_like figures
+    pooled: dict[str, dict[int, dict]] = field(default_factory=dict)  # see `pool`
 
     def judge(self, version: int, step_by_version: dict[str, dict[str, dict]]) -> bool:
-        """Add a step's {worker: {version: gate stats}}; quarantine the workers
-        that now stand out. True if any."""
-        for w, t in like_for_like(step_by_version).items():
-            mine = self.totals.setdefault(w, dict.fromkeys(REFERENCED, 0.0))
-            for k in REFERENCED:
-                mine[k] += t[k]
+        """Add the step that made `version` ({worker: {behaviour version: gate
+        stats}}); quarantine the workers that now stand out. True if any."""
+        pool(self.pooled, version, step_by_version)
         fresh = {
-            w: why for w, why in outliers(self.totals, self.cfg).items() if w not in self.decisions
+            w: why
+            for w, why in outliers(like_for_like(self.pooled), self.cfg).items()
+            if w not in self.decisions
         }
         for w, why in fresh.items():
             log.warning("quarantined worker %s at v%d: %s", w, version, why)
