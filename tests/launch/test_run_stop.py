@@ -28,11 +28,11 @@ STAND_IN = (
 )
 
 
-def _stand_in(tmp_path) -> Child:
+def _stand_in(tmp_path, script: str = STAND_IN) -> Child:
     log = tmp_path / "trainer.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", STAND_IN], stdout=out, stdin=subprocess.DEVNULL
+            [sys.executable, "-c", script], stdout=out, stdin=subprocess.DEVNULL
         )
     # Wait until its SIGTERM handler is in place, as the trainer's is before it
     # writes run.json, which the launcher awaits before it watches.
@@ -82,10 +82,10 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setattr(launch_run, "_warm", lambda *a: "/models/tiny")
     monkeypatch.setattr(launch_run, "_after", lambda *a: calls.__setitem__("after", 1))
 
-    def supervise(stop: EarlyStop, on_launch=lambda: None) -> tuple[dict, str]:
+    def supervise(stop: EarlyStop, on_launch=lambda: None, script=STAND_IN) -> tuple[dict, str]:
         def children(cfg, model_path, store):
             calls["launched"] += 1
-            calls["trainer"] = _stand_in(tmp_path)
+            calls["trainer"] = _stand_in(tmp_path, script)
             on_launch()
             return [calls["trainer"]]
 
@@ -137,6 +137,29 @@ def test_first_ctrl_c_stops_gracefully_a_second_aborts(run):
     assert facts["status"] == "interrupted" and calls["after"] == 0
     assert calls["trainer"].proc.poll() is not None  # stopped all the same
     assert "interrupted: stopping the trainer and workers" in said
+
+
+def test_a_failed_trainer_still_ends_in_its_last_version_exported_and_evaluated(run, monkeypatch):
+    supervise, calls = run
+    dies = "print('up', flush=True)\nprint('killed for memory', flush=True)\nraise SystemExit(1)\n"
+    monkeypatch.setattr(launch_run, "latest_version", lambda store: 40)
+    facts, said = supervise(EarlyStop(), script=dies)
+    assert facts["status"] == "failed" and calls["after"] == 1, said
+    assert "the trainer exited with 1" in said and "killed for memory" in said
+    assert "exporting and evaluating v40, its last" in said
+    # Nothing published beyond the base model: nothing to export.
+    calls["after"] = 0
+    monkeypatch.setattr(launch_run, "latest_version", lambda store: 0)
+    facts, said = supervise(EarlyStop(), script=dies)
+    assert facts["status"] == "failed" and calls["after"] == 0, said
+
+    def broken(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(launch_run, "latest_version", lambda store: 40)
+    monkeypatch.setattr(launch_run, "_after", broken)
+    facts, said = supervise(EarlyStop(), script=dies)
+    assert facts["status"] == "failed" and "could not be exported or evaluated: disk full" in said
 
 
 def test_max_minutes_in_the_run_toml_and_as_a_flag(tmp_path):

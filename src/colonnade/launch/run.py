@@ -255,7 +255,8 @@ def _supervise(
 ) -> None:
     """Warm start, evaluate, run the children to the end (max_versions, the
     budget, or a first Ctrl-C while they run), export and evaluate the final
-    version; whatever happens, stop them and record how the run ended in `facts`
+    version (also when the trainer failed: the last one it published);
+    whatever happens, stop them and record how the run ended in `facts`
     (status: finished, budget, interrupted, failed) and the store."""
     children: list[Child] = []
     try:
@@ -294,6 +295,8 @@ def _supervise(
     except RunFailed as e:
         facts["status"] = "failed"
         console.print(f"[red]{e}")
+        stop_all(children)
+        _after_failure(cfg, trainer_cfg, store, console)
     finally:
         stop_all(children)
         _write_launch(store, facts, started)
@@ -322,6 +325,23 @@ def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: 
             evaluation.version_engine(store, final, _engine(cfg)),
             console,
         )
+
+
+def _after_failure(
+    cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: Console
+) -> None:
+    """The versions a failed trainer published are in the store, whole: export
+    and evaluate the last, so hours of training still end in a figure."""
+    final = latest_version(store)
+    if final is None or final < 1:
+        return
+    console.print(f"[yellow]the trainer failed: exporting and evaluating v{final}, its last")
+    try:
+        _after(cfg, trainer, store, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: no export or eval of the last version")
+    except Exception as e:  # the run has failed already; say why this did too
+        console.print(f"[red]the last version could not be exported or evaluated: {e}")
 
 
 def _quiet_transformers() -> None:
