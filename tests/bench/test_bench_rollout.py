@@ -14,14 +14,19 @@ KEYS = {
 }  # fmt: skip
 
 
-def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys):
+def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys, tiny_dir):
     monkeypatch.setenv("COLONNADE_CACHE", str(tmp_path))
-    assert main(["--quick", "--repeats", "1", "--json"]) == 0
+    # The groups rows of another model and env (e.g. a warm start that
+    # searches, on multi-hop searchqa2; here: smoke, for speed), measured once
+    # and labelled with the model they ran.
+    groups_of = ["--groups-model", str(tiny_dir), "--groups-env", "smoke", "--group-size", "2"]
+    assert main(["--quick", "--repeats", "1", "--json", *groups_of]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = [r for r in out if "kind" not in r]
     (machine,) = [r for r in out if r.get("kind") == "machine"]
     (groups,) = [r for r in out if r.get("kind") == "groups"]
-    assert groups["model"] == "tiny" and groups["group_size"] == 8
+    assert groups["model"] == str(tiny_dir) and groups["group_size"] == 2
+    assert groups["env"] == "smoke" and groups["tasks"] == 2 and groups["turns_mean"] >= 1
     assert groups["baseline_episodes_s"] > 0 and groups["shared_episodes_s"] > 0
     assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 8)]
     for r in rows:

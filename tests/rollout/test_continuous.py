@@ -70,13 +70,20 @@ def test_greedy_episodes_are_the_same_on_every_path(tiny):
     prompts = _groups(tok, 3)
     params = SamplingParams(temperature=0, max_turn_tokens=5, max_episode_tokens=80)
     turns = lambda i: 1 + i % 3  # noqa: E731 - rows of a group end at different turns
+    paths = [("today", False, False, 0), ("split", False, True, 0), ("shared", True, True, 0),
+             ("refill", True, True, 4)]  # fmt: skip
     runs = {
         label: Engine(model, tok).generate(
-            prompts, _responders(len(prompts), turns), params, max_rows=rows, share_prefix=share
+            prompts,
+            _responders(len(prompts), turns),
+            params,
+            max_rows=rows,
+            share_prefix=share,
+            split_replies=split,
         )
-        for label, share, rows in [("today", False, 0), ("shared", True, 0), ("refill", True, 4)]
+        for label, share, split, rows in paths
     }
-    for label in ("shared", "refill"):
+    for label in ("split", "shared", "refill"):
         for a, b in zip(runs["today"], runs[label], strict=True):
             assert a.tokens == b.tokens and a.from_model == b.from_model, label
             assert a.turns == b.turns and a.finish == b.finish
@@ -110,7 +117,9 @@ def test_a_group_is_prefilled_once_and_the_batch_refills(tiny, max_rows):
     params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
     engine = Engine(model, tok)
     seen = _Counting(engine)
-    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=max_rows)
+    # (Replies fed on their own rows would add one-step sessions of their own.)
+    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=max_rows,
+                          split_replies=False)  # fmt: skip
     assert len(eps) == 16 and all(ep.tokens for ep in eps)
     # Prefills run one row per distinct prompt, once: never 4 copies of a
     # prompt, and a group admitted in parts (6 rows: a group and a half)
@@ -130,6 +139,44 @@ def test_a_group_is_prefilled_once_and_the_batch_refills(tiny, max_rows):
     base = _Counting(today)
     today.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, share_prefix=False)
     assert base.steps[0] == 16  # today's path: every row prefills its own prompt
+
+
+def test_a_tool_reply_is_fed_to_its_own_row_not_padded_into_every_row(tiny):
+    model, tok = tiny
+    long = engine_module._SPLIT_MIN
+    assert len(tok.encode(REPLY, add_special_tokens=False)) >= long
+    prompts = _groups(tok, 3)
+    params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
+    steps = {}
+    for split in (False, True):
+        engine = Engine(model, tok)
+        seen, make = [], engine._session
+
+        def session(batch, make=make, seen=seen):
+            s = make(batch)
+            step = s.step
+
+            def counted(chunks):
+                seen.append(sorted(len(c) for c in chunks))
+                return step(chunks)
+
+            s.step = counted
+            return s
+
+        engine._session = session
+        # Refilled rows run out of phase: some reach a reply while others decode.
+        eps = engine.generate(prompts, _responders(12, lambda i: 1 + i % 3), params, seed=1,
+                              max_rows=5, split_replies=split)  # fmt: skip
+        assert sum(not m for ep in eps for m in ep.from_model) > 0  # replies were fed
+        steps[split] = seen
+
+    def mixed(lens):  # a step that pads rows fed a token to a reply's width
+        return lens[0] == 1 and lens[-1] >= long
+
+    assert any(mixed(lens) for lens in steps[False])
+    assert not any(mixed(lens) for lens in steps[True])
+    # The replies ran on their own rows: steps of long chunks only.
+    assert any(lens[0] >= long - 1 for lens in steps[True])
 
 
 def test_units_keep_groups_whole_up_to_max_rows():

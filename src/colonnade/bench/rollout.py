@@ -59,6 +59,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="groups rows: episodes running at once on both paths (default %(default)s)",
     )
+    p.add_argument(
+        "--groups-model",
+        metavar="MODEL",
+        help="groups rows: measure this model (preset or directory, e.g. a warm start "
+        "that searches) once, instead of each of --models",
+    )
+    p.add_argument(
+        "--groups-env",
+        default="searchqa",
+        metavar="ENV",
+        help="groups rows: the environment (default %(default)s; searchqa2 is multi-hop)",
+    )
 
 
 def log(msg: str) -> None:
@@ -216,8 +228,10 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
     return row
 
 
-def measure_groups(engine, group_size: int, n_tasks: int, max_rows: int, repeats: int) -> dict:
-    """Episodes/s on searchqa (multi-turn, real tool replies) at `group_size`,
+def measure_groups(
+    engine, group_size: int, n_tasks: int, max_rows: int, repeats: int, env_name: str = "searchqa"
+) -> dict:
+    """Episodes/s on `env_name` (searchqa: multi-turn, real tool replies) at `group_size`,
     today's path against prefix sharing + refill, same tasks (sampling seeds
     per `generate` call, so not the same draws).
 
@@ -231,29 +245,39 @@ def measure_groups(engine, group_size: int, n_tasks: int, max_rows: int, repeats
     from colonnade.rollout import SamplingParams
     from colonnade.rollout.episodes import run_episodes
 
-    env = load_environment("searchqa")
+    env = load_environment(env_name)
     tasks = list(env.tasks("train"))[:n_tasks]
     params = SamplingParams()  # a worker's defaults: 96 tokens a turn, 512 an episode
     per_call = max(1, max_rows // group_size)
+    turns: dict[str, list[float]] = {"today": [], "shared": []}
 
     def today() -> int:
         done = 0
         for i in range(0, len(tasks), per_call):
             chunk = [t for t in tasks[i : i + per_call] for _ in range(group_size)]
-            done += len(run_episodes(engine, env, chunk, params, seed=i, share_prefix=False))
+            results = run_episodes(
+                engine, env, chunk, params, seed=i, share_prefix=False, split_replies=False
+            )
+            turns["today"] += [len(r.episode.turns) for r in results]
+            done += len(results)
         return done
 
     def shared() -> int:
         rows = [t for t in tasks for _ in range(group_size)]
-        return len(run_episodes(engine, env, rows, params, seed=0, max_rows=max_rows))
+        results = run_episodes(engine, env, rows, params, seed=0, max_rows=max_rows)
+        turns["shared"] += [len(r.episode.turns) for r in results]
+        return len(results)
 
     base, _ = _time(today, repeats)
     new, _ = _time(shared, repeats)
     return {
         "kind": "groups",
+        "env": env_name,
         "group_size": group_size,
         "tasks": len(tasks),
         "max_rows": max_rows,
+        # Model turns an episode: 1 where the model never searched (no tool reply).
+        "turns_mean": round(statistics.fmean(turns["today"] + turns["shared"]), 2),
         "baseline_episodes_s": round(base, 3),
         "shared_episodes_s": round(new, 3),
         "shared_over_baseline": round(new / base, 2),
@@ -283,13 +307,15 @@ def run(args: argparse.Namespace) -> int:
         for b in batches:
             log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
             rows.append({"model": name, **measure(engines, b, tokens, args.repeats, bandwidth)})
-        if args.group_size > 0:
-            tasks = 2 if args.quick else args.group_tasks
-            log(f"{name}: groups of {args.group_size}, {tasks} searchqa tasks, int8")
-            groups = measure_groups(
-                engines["int8"], args.group_size, tasks, args.max_rows, args.repeats
-            )
-            rows.append({"model": name, **groups})
+        if args.group_size > 0 and not args.groups_model:
+            rows.append({"model": name, **_groups(args, engines["int8"])})
+    if args.group_size > 0 and args.groups_model:
+        from colonnade.model import resolve_model
+        from colonnade.rollout import load_engine
+
+        log(f"loading {args.groups_model} (int8) for the groups rows")
+        engine = load_engine(resolve_model(args.groups_model), "int8", "cpu")
+        rows.append({"model": args.groups_model, **_groups(args, engine)})
     machine = machine_row(bandwidth)
     if args.json:
         print(json.dumps([*rows, machine], indent=2))
@@ -299,6 +325,14 @@ def run(args: argparse.Namespace) -> int:
         print(machine_text(machine))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
+
+
+def _groups(args: argparse.Namespace, engine) -> dict:
+    tasks = 2 if args.quick else args.group_tasks
+    log(f"groups of {args.group_size}, {tasks} {args.groups_env} tasks, int8")
+    return measure_groups(
+        engine, args.group_size, tasks, args.max_rows, args.repeats, args.groups_env
+    )
 
 
 def machine_row(bandwidth: float) -> dict:
@@ -321,11 +355,13 @@ def groups_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     head = (
-        "\n| model | group size | tasks | max rows | today episodes/s "
-        "| shared + refill episodes/s | ratio |\n|---|---|---|---|---|---|---|"
+        "\n| model | env | group size | tasks | max rows | model turns an episode "
+        "| today episodes/s | shared + refill episodes/s | ratio |"
+        "\n|---|---|---|---|---|---|---|---|---|"
     )
     body = [
-        f"| {r['model']} | {r['group_size']} | {r['tasks']} | {r['max_rows']} "
+        f"| {r['model']} | {r['env']} | {r['group_size']} | {r['tasks']} | {r['max_rows']} "
+        f"| {r['turns_mean']} "
         f"| {r['baseline_episodes_s']} | {r['shared_episodes_s']} | {r['shared_over_baseline']} |"
         for r in rows
     ]

@@ -142,6 +142,16 @@ class Layout:
         self.pos[index] = other.pos
         self.padded = self.padded or other.padded or theirs < width
 
+    def append(self, rows: list[int], other: Layout, width: int) -> None:
+        """`width` new columns for every row: `other`'s last ones for these
+        rows (`other` holds copies of them, fed since), pad for the rest."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        new = torch.zeros((self.real.shape[0], width), dtype=torch.bool, device=self.device)
+        new[index] = other.real[:, -width:]
+        self.real = torch.cat([self.real, new], dim=1)
+        self.pos[index] = other.pos
+        self.padded = True
+
     def extend(self, other: Layout) -> tuple[int, int]:
         """Append `other`'s rows, both right-aligned on the longer past.
 
@@ -228,6 +238,36 @@ class Reusing(Session, Protocol):
         """`other`'s rows into these rows, in place; False (nothing done) when
         `other` holds more columns than this session."""
         ...
+
+
+@runtime_checkable
+class Feeding(Session, Protocol):
+    """A session that can feed some rows a chunk while the others wait
+    (optional: without it every row of a step is padded to the longest chunk)."""
+
+    def feed(self, rows: list[int], chunks: Sequence[Sequence[int]]) -> None:
+        """Feed these rows their chunks (no logits); the other rows gain only
+        pad columns."""
+        ...
+
+
+# A step whose longest chunk (a tool reply) is at least this long, beside rows
+# fed one token, feeds the long chunks to their own rows first: padded into
+# the step, every other row would run that many pad tokens through the model.
+_SPLIT_MIN = 8
+
+
+def _split_replies(session: Session, live: list[_Row]) -> None:
+    """Feed the rows whose pending chunk is long (a tool reply) all but its
+    last token on their own, so the step that follows is one token a row."""
+    long = [i for i, r in enumerate(live) if len(r.pending) > 1]
+    if not long or len(long) == len(live) or not isinstance(session, Feeding):
+        return
+    if max(len(live[i].pending) for i in long) < _SPLIT_MIN:
+        return
+    session.feed(long, [live[i].pending[:-1] for i in long])
+    for i in long:
+        live[i].pending = live[i].pending[-1:]
 
 
 def _admitted(waiting: deque, rows: list[_Row], busy: int, max_rows: int) -> list[_Row]:
@@ -405,6 +445,23 @@ class _TorchSession:
             mine.values[index, :, width - theirs :] = new.values
         return True
 
+    def feed(self, rows: list[int], chunks: Sequence[Sequence[int]]) -> None:
+        """`Feeding`: the rows' chunks run on a copy of those rows alone, and
+        the columns they make are appended to every row, real for these rows
+        and pad for the rest (the compaction drops them when they pile up)."""
+        part = self.take(rows)
+        part.step(chunks)
+        width = max(len(c) for c in chunks)
+        self.layout.append(rows, part.layout, width)
+        index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        for mine, theirs in zip(self.cache.layers, part.cache.layers, strict=True):
+            keys, values = theirs.keys[:, :, -width:], theirs.values[:, :, -width:]
+            batch = self.layout.real.shape[0]
+            new_k = keys.new_zeros((batch, *keys.shape[1:]))
+            new_v = values.new_zeros((batch, *values.shape[1:]))
+            new_k[index], new_v[index] = keys, values
+            mine.update(new_k, new_v)
+
     def extend(self, other: _TorchSession) -> None:
         pad_a, pad_b = self.layout.extend(other.layout)
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
@@ -485,11 +542,14 @@ class Engine:
         seed: int = 0,
         max_rows: int = 0,
         share_prefix: bool = True,
+        split_replies: bool = True,
     ) -> list[Episode]:
         """One episode per prompt; `responders[i]` answers episode i's turns.
 
         With `share_prefix`, the rows of one prompt (a group) are prefilled
-        once and the cache copied to each. With `max_rows`, at most that many
+        once and the cache copied to each. With `split_replies`, a tool reply
+        is fed to its own row before the step (where the session can), not
+        padded into a step that runs every other row as wide. With `max_rows`, at most that many
         episodes run at once and, as episodes end, waiting rows take the free
         places in the running batch, in order, a group's rows admitted together
         sharing one prefill (continuous batching), instead of the batch
@@ -542,6 +602,8 @@ class Engine:
                     live.extend(admit)
             if None in live:
                 self._drop_ended(session, live)
+            if split_replies:
+                _split_replies(session, live)
             tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
             for i, row in enumerate(live):
                 if not self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops):
