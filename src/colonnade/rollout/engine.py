@@ -549,12 +549,13 @@ class Engine:
         With `share_prefix`, the rows of one prompt (a group) are prefilled
         once and the cache copied to each. With `split_replies`, a tool reply
         is fed to its own row before the step (where the session can), not
-        padded into a step that runs every other row as wide. With `max_rows`, at most that many
-        episodes run at once and, as episodes end, waiting rows take the free
-        places in the running batch, in order, a group's rows admitted together
-        sharing one prefill (continuous batching), instead of the batch
-        shrinking to its slowest row. Both need prompts of 2 tokens or more (the last token
-        is fed with the running batch); otherwise all rows run at once.
+        padded into a step that runs every other row as wide. With
+        `max_rows`, at most that many episodes run at once and, as episodes
+        end, waiting rows take the free places in the running batch, in
+        order, a group's rows admitted together sharing one prefill
+        (continuous batching), instead of the batch shrinking to its slowest
+        row. Both need prompts of 2 tokens or more (the last token is fed
+        with the running batch); otherwise all rows run at once.
         """
         if len(prompts) != len(responders):
             raise ValueError("one responder per prompt")
