@@ -95,12 +95,20 @@ def test_shared_prefix_and_refill_keep_mlx_log_probs(engines, monkeypatch):
     prompts = _groups(tok, 3)
     params = SamplingParams(max_turn_tokens=5, max_episode_tokens=60)
     placed = _placements(monkeypatch)
+    from colonnade.rollout.mlx_engine import _MlxSession
+
+    fed, feed = [], _MlxSession.feed
+    monkeypatch.setattr(
+        _MlxSession, "feed", lambda s, rows, c: fed.append(rows) or feed(s, rows, c)
+    )
     eps = mlx.generate(
         prompts, _responders(len(prompts), lambda i: 1 + i % 3), params, seed=2, max_rows=4
     )
     # The refills went through `place` (rows written into ended rows in
-    # place), not only through re-joining the cache.
+    # place), not only through re-joining the cache; tool replies reaching
+    # rows out of phase with the others were fed to their own rows (`feed`).
     assert any(ok and theirs for ok, theirs in placed)
+    assert fed
     diffs = []
     for ep in eps:
         ref = mlx.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
@@ -180,7 +188,9 @@ def test_an_mlx_group_is_prefilled_once_and_the_batch_refills(engines, max_rows,
     params = SamplingParams(max_turn_tokens=4, max_episode_tokens=60)
     seen = _Counting(engine)
     placed = _placements(monkeypatch)
-    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=max_rows)
+    # (Replies fed on their own rows would add one-step sessions of their own.)
+    eps = engine.generate(prompts, _responders(16, lambda i: 1 + i % 4), params, max_rows=max_rows,
+                          split_replies=False)  # fmt: skip
     assert len(eps) == 16 and all(ep.tokens for ep in eps)
     # One prefill row per distinct prompt, once (6 rows: the second group
     # is admitted in parts and its later rows copy the kept prefix).

@@ -456,6 +456,27 @@ class _MlxSession:
             mine.values[index, :, width - theirs : width] = v
         return True
 
+    def feed(self, rows: list[int], chunks: Sequence[Sequence[int]]) -> None:
+        """`Feeding`: the rows' chunks run on a copy of those rows alone, and
+        the columns they make are appended to every row, real for these rows
+        and pad for the rest (masked out of every query)."""
+        mx = self.mx
+        part = self.take(rows)
+        part.step(chunks)
+        width = max(len(c) for c in chunks)
+        self.layout.append(rows, part.layout, width)
+        index = mx.array(rows)
+        for mine, theirs in zip(self.cache, part.cache, strict=True):
+            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
+            new_k = mx.zeros((self.batch, *k2.shape[1:2], width, k2.shape[3]), dtype=k2.dtype)
+            new_v = mx.zeros((self.batch, *v2.shape[1:2], width, v2.shape[3]), dtype=v2.dtype)
+            new_k[index] = k2[:, :, -width:]
+            new_v[index] = v2[:, :, -width:]
+            mine.keys = mx.concatenate([k, new_k], axis=2)
+            mine.values = mx.concatenate([v, new_v], axis=2)
+            mine._idx = mine.keys.shape[2]
+        mx.eval(*[a for c in self.cache for a in (c.keys, c.values)])
+
     def extend(self, other: _MlxSession) -> None:
         pad_a, pad_b = self.layout.extend(other.layout)
         mx = self.mx
