@@ -249,7 +249,7 @@ def measure_groups(
     tasks = list(env.tasks("train"))[:n_tasks]
     params = SamplingParams()  # a worker's defaults: 96 tokens a turn, 512 an episode
     per_call = max(1, max_rows // group_size)
-    turns: dict[str, list[float]] = {"today": [], "shared": []}
+    turns: list[int] = []  # model turns of every episode, both paths
 
     def today() -> int:
         done = 0
@@ -258,14 +258,14 @@ def measure_groups(
             results = run_episodes(
                 engine, env, chunk, params, seed=i, share_prefix=False, split_replies=False
             )
-            turns["today"] += [len(r.episode.turns) for r in results]
+            turns.extend(len(r.episode.turns) for r in results)
             done += len(results)
         return done
 
     def shared() -> int:
         rows = [t for t in tasks for _ in range(group_size)]
         results = run_episodes(engine, env, rows, params, seed=0, max_rows=max_rows)
-        turns["shared"] += [len(r.episode.turns) for r in results]
+        turns.extend(len(r.episode.turns) for r in results)
         return len(results)
 
     base, _ = _time(today, repeats)
@@ -277,7 +277,7 @@ def measure_groups(
         "tasks": len(tasks),
         "max_rows": max_rows,
         # Model turns an episode: 1 where the model never searched (no tool reply).
-        "turns_mean": round(statistics.fmean(turns["today"] + turns["shared"]), 2),
+        "turns_mean": round(statistics.fmean(turns), 2),
         "baseline_episodes_s": round(base, 3),
         "shared_episodes_s": round(new, 3),
         "shared_over_baseline": round(new / base, 2),

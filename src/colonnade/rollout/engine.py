@@ -454,9 +454,9 @@ class _TorchSession:
         width = max(len(c) for c in chunks)
         self.layout.append(rows, part.layout, width)
         index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        batch = self.layout.real.shape[0]
         for mine, theirs in zip(self.cache.layers, part.cache.layers, strict=True):
             keys, values = theirs.keys[:, :, -width:], theirs.values[:, :, -width:]
-            batch = self.layout.real.shape[0]
             new_k = keys.new_zeros((batch, *keys.shape[1:]))
             new_v = values.new_zeros((batch, *values.shape[1:]))
             new_k[index], new_v[index] = keys, values

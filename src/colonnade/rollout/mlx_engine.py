@@ -468,8 +468,8 @@ class _MlxSession:
         index = mx.array(rows)
         for mine, theirs in zip(self.cache, part.cache, strict=True):
             (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
-            new_k = mx.zeros((self.batch, *k2.shape[1:2], width, k2.shape[3]), dtype=k2.dtype)
-            new_v = mx.zeros((self.batch, *v2.shape[1:2], width, v2.shape[3]), dtype=v2.dtype)
+            new_k = mx.zeros((self.batch, k2.shape[1], width, k2.shape[3]), dtype=k2.dtype)
+            new_v = mx.zeros((self.batch, v2.shape[1], width, v2.shape[3]), dtype=v2.dtype)
             new_k[index] = k2[:, :, -width:]
             new_v[index] = v2[:, :, -width:]
             mine.keys = mx.concatenate([k, new_k], axis=2)
