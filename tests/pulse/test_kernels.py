@@ -59,9 +59,27 @@ def test_scatter_rejects_rank_beyond_class():
         kernels.scatter_ranks(10, bits, src, None, [0], [np.array([3, 12])], backend="numba")
 
 
-def test_max_field():
+def test_top_magnitude():
     bits = np.array([0x3F80, 0xC100, 0x0001], dtype=np.uint16)  # 1.0, -8.0, tiny
-    assert kernels.max_field(bits, 7, 0xFF) == 0x82
+    assert kernels.top_magnitude(bits) >> 7 == 0x82  # -8.0's exponent
+    assert kernels.top_magnitude(np.array([0x4100, 0xBF80], np.uint16)) == 0x4100  # 8.0 > |-1|
+    assert kernels.top_magnitude(np.array([0x8000, 0x0000], np.uint16)) == 0  # ±0
+    assert kernels.top_magnitude(np.zeros(0, np.uint16)) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(allow_nan=False, width=32), max_size=50),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_top_magnitude_is_the_largest_exponent(values, dtype):
+    x = np.array(values, np.float64).astype(dtype)
+    bits = x.view(f"u{x.itemsize}")
+    mantissa = {np.float16: 10, np.float32: 23, np.float64: 52}[dtype]
+    exps = (bits.astype(np.uint64) >> np.uint64(mantissa)) & np.uint64(
+        (1 << (x.itemsize * 8 - 1 - mantissa)) - 1
+    )
+    assert kernels.top_magnitude(bits) >> mantissa == (int(exps.max()) if x.size else 0)
 
 
 @settings(max_examples=40, deadline=None)

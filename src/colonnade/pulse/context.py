@@ -81,8 +81,8 @@ class ClassMap:
         if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
             top = int(self.rows.max())
         elif self.ctx == "exp" and self.bits.size:
-            shift, mask = _EXPONENT[self.dtype]
-            top = kernels.max_field(self.bits, shift, mask)
+            # The exponent field lies right under the sign bit.
+            top = kernels.top_magnitude(self.bits) >> _EXPONENT[self.dtype][0]
         else:
             return 0
         return max(0, top - (N_CLASSES - 1))

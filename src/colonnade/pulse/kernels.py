@@ -231,14 +231,7 @@ def _build_numba():
                     out[loc[p]] = before[p]
         return loc, ok
 
-    @numba.njit(cache=True, nogil=True)
-    def max_field(bits, shift, mask):  # pragma: no cover - compiled
-        top = 0
-        for i in range(bits.size):
-            top = max(top, (bits[i] >> shift) & mask)
-        return top
-
-    return class_ranks, class_counts, scatter, max_field, scatter_rebuild
+    return class_ranks, class_counts, scatter, scatter_rebuild
 
 
 _NUMBA = None
@@ -360,7 +353,7 @@ def scatter_rebuild(
         if want.size != values.size:
             raise ValueError("residual count does not match the positions")
         before = np.empty(want.size, bits.dtype)
-        loc, ok = _NUMBA[4](
+        loc, ok = _NUMBA[3](
             n,
             bits,
             out,
@@ -399,18 +392,21 @@ def rebuild_values(old: np.ndarray, values: np.ndarray, res: int, key: int) -> n
     return bitcodes.from_ordered_key(keys, is_float, is_signed)
 
 
-def max_field(bits: np.ndarray, shift: int, mask: int) -> int:
-    """Largest (bits >> shift) & mask over the array."""
-    if _NUMBA is not None:
-        # Python ints (int64 in the kernel), not the bits' own type: with
-        # them LLVM vectorizes the loop (~20x faster).
-        return int(_NUMBA[3](bits, int(shift), int(mask)))
-    ut = bits.dtype.type
-    step = 1 << 22
-    return max(
-        (
-            int(((bits[s : s + step] >> ut(shift)) & ut(mask)).max())
-            for s in range(0, bits.size, step)
-        ),
-        default=0,
-    )
+def top_magnitude(bits: np.ndarray) -> int:
+    """The largest magnitude (the bits below the sign) of sign-magnitude
+    numbers stored as unsigned bits, 0 for none: for a float, its largest
+    exponent is this >> the mantissa width.
+
+    Two of numpy's vectorized reductions over the buffer as it is, no copy:
+    as unsigned, a value with the sign bit set wins, so the maximum is the
+    largest negative magnitude if there is a negative; as signed, the
+    maximum is the largest non-negative value if there is one.
+    """
+    if bits.size == 0:
+        return 0
+    sign = 1 << (bits.dtype.itemsize * 8 - 1)
+    top = int(bits.max())
+    if top < sign:  # no negatives: the unsigned maximum is the answer
+        return top
+    signed = int(bits.view(f"i{bits.dtype.itemsize}").max())
+    return max(top - sign, signed)
