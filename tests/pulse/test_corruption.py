@@ -63,12 +63,13 @@ def test_truncation_is_reported_as_such(cut):
         apply(BASE, PATCH[:cut])
 
 
-@pytest.mark.parametrize("version", [1, 99])
+@pytest.mark.parametrize("version", [1, 2, 99])
 def test_other_versions_are_refused_naming_both(version):
-    # Version 1 (SHA-256 state hashes) is what earlier releases wrote.
+    # Version 1 (SHA-256 state hashes) and 2 (no class sizes in the group
+    # table) are what earlier releases wrote.
     bad = bytearray(PATCH)
     struct.pack_into("<H", bad, 8, version)
-    with pytest.raises(PatchError, match=rf"format version {version} .* reads version 2"):
+    with pytest.raises(PatchError, match=rf"format version {version} .* reads version 3"):
         apply(BASE, bytes(bad))
 
 

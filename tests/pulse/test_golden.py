@@ -39,9 +39,9 @@ def _states():
 
 
 GOLDEN = {
-    ("bf16", 1 << 22): "52b0852a82b89cf2bc4000af866b18121c5b07dd1a43aa3b94441f72d10d9810",
-    ("int8", 1 << 22): "9cb9d25db9de82fc2de18fe89a54009083f6c58426a7bd57431eb6866010125c",
-    ("bf16", 1 << 12): "d8e6b8de642ebf2f15a6cdaf668d88c9842f1c60635ad5432aee45dcb8ba9a6d",
+    ("bf16", 1 << 22): "e536d68918d31c40a7f0ee34abcc8d77570c8a16e21e59e59c473e5967ed128a",
+    ("int8", 1 << 22): "8a77f3a8b919f18db5ec12a88e90c0442efbab33a25a4b485572b5374e31bda0",
+    ("bf16", 1 << 12): "a8eda38ba5de027cef3bbd9bfd7358ae294bca5ca2f0a1b651f1bbad5edcdfba",
 }
 
 

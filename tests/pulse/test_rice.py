@@ -65,10 +65,13 @@ def test_decoder_reads_back_every_chunk(sizes, density, n_cls, seed):
     u = r = 0
     for ci, (_order, ranks, counts, _per_class) in enumerate(chunks):
         rows = groups[groups["chunk"] == ci]
-        table = np.stack([rows["cls"], rows["k"], rows["invert"], rows["count"]], 1).astype(
-            np.int64
-        )
-        want, u, r = rice.decode_chunk(unary, u, rem, r, table, counts, sizes[ci])
+        fields = ["cls", "k", "invert", "count", "kept"]
+        table = np.stack([rows[f] for f in fields], 1).astype(np.int64)
+        # An inverted group states its class size: no counting pass needed.
+        inv = table[:, 2] != 0
+        assert np.array_equal(table[inv, 3] + table[inv, 4], counts[table[inv, 0]])
+        assert not table[~inv, 4].any()
+        want, u, r = rice.decode_chunk(unary, u, rem, r, table, sizes[ci])
         assert np.array_equal(want, ranks)
     assert -(-u // 8) == unary.size and -(-r // 8) == rem.size
 
@@ -79,22 +82,29 @@ def test_decoder_reports_short_and_bad_streams():
     enc = positions.RiceEncoder(None)
     enc.code(0, found)
     g = enc.groups
-    table = np.stack([g["cls"], g["k"], g["invert"], g["count"]], 1).astype(np.int64)
+    table = np.stack([g[f] for f in ("cls", "k", "invert", "count", "kept")], 1).astype(np.int64)
     unary = np.frombuffer(enc._unary.getvalue(), np.uint8)
     rem = np.frombuffer(enc._rem.getvalue(), np.uint8)
-    counts = found[2]
     with pytest.raises(ValueError, match="unary stream ends early"):
-        rice.decode_chunk(unary[: unary.size // 2], 0, rem, 0, table, counts, 2000)
+        rice.decode_chunk(unary[: unary.size // 2], 0, rem, 0, table, 2000)
     with pytest.raises(ValueError, match="remainder stream ends early"):
-        rice.decode_chunk(unary, 0, rem[: rem.size // 2], 0, table, counts, 2000)
+        rice.decode_chunk(unary, 0, rem[: rem.size // 2], 0, table, 2000)
     with pytest.raises(ValueError, match="group count out of range"):
         bad = table.copy()
-        bad[0, 3] = counts[bad[0, 0]] + 1
-        rice.decode_chunk(unary, 0, rem, 0, bad, counts, 2000)
+        bad[0, 3] = 2001  # more changes than the chunk has elements
+        rice.decode_chunk(unary, 0, rem, 0, bad, 2000)
+    with pytest.raises(ValueError, match="group count out of range"):
+        bad = table.copy()
+        bad[0, 2], bad[0, 4] = 1, 2001 - bad[0, 3]  # a class larger than the chunk
+        rice.decode_chunk(unary, 0, rem, 0, bad, 2000)
+    with pytest.raises(ValueError, match="group count out of range"):
+        bad = table.copy()
+        bad[0, 2], bad[0, 4] = 0, 5  # a class size on a group that is not inverted
+        rice.decode_chunk(unary, 0, rem, 0, bad, 2000)
     # A stream of ones: a gap far beyond the chunk.
     ones = np.full(4000, 0xFF, np.uint8)
     with pytest.raises(ValueError, match="rank beyond its class"):
-        rice.decode_chunk(ones, 0, rem, 0, table, counts, 2000)
+        rice.decode_chunk(ones, 0, rem, 0, table, 2000)
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,3 +163,38 @@ def test_bit_writer_grows_and_keeps_bits():
     w.buf[0] = 0b10100000
     w.reserve(100)
     assert w.buf.size >= 13 and w.buf[0] == 0b10100000 and not w.buf[1:].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=5),
+    density=st.floats(0.001, 0.9),
+    seed=st.integers(0, 2**31),
+)
+def test_group_table_wire_form_round_trips(sizes, density, seed):
+    rng = np.random.default_rng(seed)
+    enc = positions.RiceEncoder(None)
+    for ci, n in enumerate(sizes):
+        enc.code(ci, _chunk(rng, n, density, 16)[0])
+    g = enc.groups
+    raw = positions.pack_groups(g)
+    assert np.array_equal(positions.unpack_groups(raw), g)
+    # Every truncation or extension is caught by the lengths.
+    for bad in (raw[:-1], raw + b"\0", raw[:3]):
+        with pytest.raises(ValueError):
+            positions.unpack_groups(bad)
+
+
+def test_group_table_is_smaller_by_columns():
+    # Many chunks at optimizer-like densities: the columns, plane by plane,
+    # compress below the rows written out as they are in memory.
+    import zstandard
+
+    rng = np.random.default_rng(5)
+    enc = positions.RiceEncoder(None)
+    for ci in range(200):
+        enc.code(ci, _chunk(rng, 4000, 0.02, 12)[0])
+    z = zstandard.ZstdCompressor(level=3)
+    assert len(z.compress(positions.pack_groups(enc.groups))) < len(
+        z.compress(enc.groups.tobytes())
+    )

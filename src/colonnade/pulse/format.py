@@ -35,7 +35,8 @@ from .tensors import DTYPES
 
 MAGIC = b"\x89PULSE\r\n"
 # 2: BLAKE3 container digest; base and result named by algorithm-tagged tree hashes.
-FORMAT_VERSION = 2
+# 3: an inverted rice group states its class size (`kept`), so apply need not count it.
+FORMAT_VERSION = 3
 _PREFIX = struct.Struct("<8sHHI")
 _CRC = struct.Struct("<I")
 DIGEST_BYTES = 32

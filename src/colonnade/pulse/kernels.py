@@ -136,17 +136,6 @@ def _build_numba():
         return order, ranks, counts, per_class, xor, delta
 
     @numba.njit(cache=True, nogil=True)
-    def class_counts(n, bits, mode, lut, shift, arr):  # pragma: no cover - compiled
-        h = np.zeros((4, N_CLASSES), np.int64)
-        if mode == MODE_LUT:
-            for i in range(n):
-                h[i & 3, lut[bits[i] >> shift]] += 1
-        else:
-            for i in range(n):
-                h[i & 3, arr[i]] += 1
-        return h[0] + h[1] + h[2] + h[3]
-
-    @numba.njit(cache=True, nogil=True)
     def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
         # want: every class's sorted ranks back to back, class c's from
         # want_start[c] to want_start[c+1]; returns their element indices.
@@ -231,7 +220,7 @@ def _build_numba():
                     out[loc[p]] = before[p]
         return loc, ok
 
-    return class_ranks, class_counts, scatter, scatter_rebuild
+    return class_ranks, scatter, scatter_rebuild
 
 
 _NUMBA = None
@@ -290,14 +279,6 @@ def residual_transforms(old: np.ndarray, new: np.ndarray, key: int):
     return old ^ new, bitcodes.zigzag(k_new - k_old)
 
 
-def class_counts(
-    n: int, bits: np.ndarray, src: ClassSource, classes_fn, backend: str | None = None
-) -> np.ndarray:
-    if _use_numba(backend):
-        return _NUMBA[1](n, *_args(bits, src))
-    return np.bincount(classes_fn(), minlength=N_CLASSES)
-
-
 def scatter_ranks(
     n: int,
     bits: np.ndarray,
@@ -311,7 +292,7 @@ def scatter_ranks(
     if not _use_numba(backend):
         return _numpy_scatter(classes_fn(), np.array(group_cls, np.int64), ranks)
     start, want = _want(group_cls, ranks)
-    out, ok = _NUMBA[2](n, *_args(bits, src), start, want)
+    out, ok = _NUMBA[1](n, *_args(bits, src), start, want)
     if not ok:
         raise ValueError("a rank lies beyond its class")
     return out
@@ -353,7 +334,7 @@ def scatter_rebuild(
         if want.size != values.size:
             raise ValueError("residual count does not match the positions")
         before = np.empty(want.size, bits.dtype)
-        loc, ok = _NUMBA[3](
+        loc, ok = _NUMBA[2](
             n,
             bits,
             out,

@@ -30,16 +30,79 @@ from .context import N_CLASSES, ClassMap
 
 # Slices a bitmask is unpacked in (a multiple of 8: whole bytes).
 MASK_STEP = 1 << 22
+# A group: one (chunk, class) with changes. In memory a row of this table;
+# on the wire column after column (`pack_groups`).
 GROUP_DTYPE = np.dtype(
     [
         ("chunk", "<u4"),
         ("cls", "u1"),
         ("k", "u1"),
         ("invert", "u1"),
-        ("pad", "u1"),
         ("count", "<u4"),
+        # An inverted group's unchanged elements (the ranks it codes), else
+        # 0: with count, its class size, which the decoder would otherwise
+        # have to count in a pass over the chunk before reading the streams.
+        ("kept", "<u4"),
     ]
 )
+_COUNT = np.dtype("<u4")
+
+
+def _planes(a: np.ndarray) -> bytes:
+    """A column's bytes plane by plane (all low bytes, then the next...):
+    small numbers leave whole planes of zeros, which zstd all but erases."""
+    return np.ascontiguousarray(a.view(np.uint8).reshape(a.size, a.itemsize).T).tobytes()
+
+
+def _unplanes(raw: bytes, n: int, dtype: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    planes = np.frombuffer(raw, np.uint8, n * size).reshape(size, n)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(n)
+
+
+def pack_groups(g: np.ndarray) -> bytes:
+    """The group table's wire form (before zstd): its row count (u32), then
+    column by column: chunk as the difference from the row before, cls, k,
+    invert, count, and kept for the inverted rows only; the u32 columns
+    plane by plane. A third smaller than the rows written out (zstd, on the
+    SmolLM2 patches of docs/benchmarks.md)."""
+    steps = np.diff(g["chunk"].astype(np.int64), prepend=0).astype(_COUNT)
+    kept = g["kept"][g["invert"] != 0].astype(_COUNT)
+    return b"".join(
+        [
+            np.array([g.size], _COUNT).tobytes(),
+            _planes(steps),
+            g["cls"].tobytes(),
+            g["k"].tobytes(),
+            g["invert"].tobytes(),
+            _planes(g["count"].astype(_COUNT)),
+            _planes(kept),
+        ]
+    )
+
+
+def unpack_groups(raw: bytes) -> np.ndarray:
+    """`pack_groups` read back; ValueError where the lengths do not add up."""
+    if len(raw) < 4:
+        raise ValueError("group table too short")
+    n = int(np.frombuffer(raw, _COUNT, 1)[0])
+    if len(raw) < 4 + 11 * n:
+        raise ValueError("group table has a partial row")
+    g = np.zeros(n, GROUP_DTYPE)
+    at = 4
+    g["chunk"] = np.cumsum(_unplanes(raw[at : at + 4 * n], n, "<u4"), dtype=np.int64)
+    at += 4 * n
+    for name in ("cls", "k", "invert"):
+        g[name] = np.frombuffer(raw, np.uint8, n, at)
+        at += n
+    g["count"] = _unplanes(raw[at : at + 4 * n], n, "<u4")
+    at += 4 * n
+    inverted = g["invert"] != 0
+    n_inv = int(inverted.sum())
+    if len(raw) != at + 4 * n_inv:
+        raise ValueError("group table has the wrong length")
+    g["kept"][inverted] = _unplanes(raw[at:], n_inv, "<u4")
+    return g
 
 
 def _chunk_groups(order_cls: np.ndarray, ranks: np.ndarray, counts: np.ndarray):
@@ -105,7 +168,7 @@ class RiceEncoder:
         order, ranks_all, counts, per_class = found[:4]
         if rice.COMPILED:
             rows = rice.encode_chunk(ranks_all, per_class, counts, self._unary, self._rem)
-            self._rows.extend((ci, c, k, inv, 0, m) for c, k, inv, m in rows.tolist())
+            self._rows.extend((ci, c, k, inv, m, kept) for c, k, inv, m, kept in rows.tolist())
             return order
         order_cls = np.repeat(np.arange(N_CLASSES, dtype=np.uint8), per_class)
         for c, size, ranks in _chunk_groups(order_cls, ranks_all, counts):
@@ -115,7 +178,8 @@ class RiceEncoder:
             unary, rem = bitcodes.rice_encode(gaps, k)
             self._unary.add(unary)
             self._rem.add(rem)
-            self._rows.append((ci, c, k, int(invert), 0, ranks.size))
+            kept = size - ranks.size if invert else 0
+            self._rows.append((ci, c, k, int(invert), ranks.size, kept))
         return order
 
     @property
@@ -124,7 +188,7 @@ class RiceEncoder:
 
     def blocks(self, level: int) -> list[bytes]:
         """[groups, unary quotients, remainders]."""
-        table = zstandard.ZstdCompressor(level=level).compress(self.groups.tobytes())
+        table = zstandard.ZstdCompressor(level=level).compress(pack_groups(self.groups))
         return [table, self._unary.getvalue(), self._rem.getvalue()]
 
 
@@ -135,10 +199,7 @@ def residual_classes(groups: np.ndarray) -> np.ndarray:
 
 def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
     """The checked group table of a "rice" code; ValueError if inconsistent."""
-    raw = _decompress(bytes(block), None)
-    if len(raw) % GROUP_DTYPE.itemsize:
-        raise ValueError("group table has a partial row")
-    g = np.frombuffer(raw, dtype=GROUP_DTYPE)
+    g = unpack_groups(_decompress(bytes(block), None))
     n_chunks = -(-n // chunk)
     if g.size and (
         g["chunk"].max() >= n_chunks
@@ -149,6 +210,8 @@ def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
     key = g["chunk"].astype(np.int64) * N_CLASSES + g["cls"]
     if np.any(np.diff(key) <= 0):
         raise ValueError("group table not in order")
+    if np.any(g["invert"] > 1):
+        raise ValueError("group table: invert is not 0 or 1")
     return g
 
 
@@ -170,28 +233,27 @@ class _RiceReader:
         self.r_off += count * k
         return (q << np.uint64(k)) | r
 
-    def read_chunk(
-        self, rows: np.ndarray, counts: np.ndarray | None, limit: int
-    ) -> tuple[list[int], list[np.ndarray]]:
-        """(classes, their changed ranks) of one chunk's group rows."""
+    def read_chunk(self, rows: np.ndarray, limit: int) -> tuple[list[int], list[np.ndarray]]:
+        """(classes, their changed ranks) of one chunk's group rows (a chunk
+        of `limit` elements)."""
         if rice.COMPILED:
             table = np.stack(
-                [rows["cls"], rows["k"], rows["invert"], rows["count"]], axis=1
+                [rows["cls"], rows["k"], rows["invert"], rows["count"], rows["kept"]], axis=1
             ).astype(np.int64)
             want, self.unary.bits_used, self.r_off = rice.decode_chunk(
-                self.unary_bytes, self.unary.bits_used, self.rem, self.r_off, table, counts, limit
+                self.unary_bytes, self.unary.bits_used, self.rem, self.r_off, table, limit
             )
             cuts = np.cumsum(table[:, 3])[:-1]
             return table[:, 0].tolist(), np.split(want, cuts)
         classes, parts = [], []
         for g in rows:
-            c, m = int(g["cls"]), int(g["count"])
-            size = int(counts[c]) if counts is not None else None
-            if m == 0 or m > (size if size is not None else limit):
+            c, m, kept = int(g["cls"]), int(g["count"]), int(g["kept"])
+            size = m + kept if g["invert"] else limit
+            if m == 0 or m > size or size > limit:
                 raise ValueError("group count out of range")
-            coded_n = size - m if g["invert"] else m
+            coded_n = kept if g["invert"] else m
             ranks = bitcodes.sorted_from_gaps(self.read(coded_n, int(g["k"])))
-            if size is not None and ranks.size and ranks[-1] >= size:
+            if ranks.size and ranks[-1] >= size:
                 raise ValueError("rank beyond its class")
             classes.append(c)
             parts.append(_complement(ranks, size) if g["invert"] else ranks)
@@ -244,13 +306,6 @@ def rice_chunks(
 def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: int, rebuild):
     """Per chunk with changes, in order: its ranks read, and a thunk that finds their indices."""
     chunk_ids = np.unique(groups["chunk"])
-    inverted = np.unique(groups["chunk"][groups["invert"] != 0])
-    # Class sizes only where a group codes the ranks that did not change
-    # (otherwise the scatter's own check, every rank found, bounds them),
-    # counted on the pool ahead of the stream reads that need them.
-    # (A tensor of one chunk counts on this thread: no hand-off to wait on.)
-    pool = len(chunk_ids) > 1
-    sizes = {int(ci): _class_counts_later(cmap, ci, n, chunk, pool) for ci in inverted}
     done = 0
     for ci in chunk_ids:
         start = int(ci) * chunk
@@ -265,8 +320,7 @@ def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: in
 
         bits, src = cmap.bits[start:stop], cmap.source(start, stop)
         rows = groups[groups["chunk"] == ci]
-        counts = sizes.pop(int(ci)).result() if int(ci) in sizes else None
-        classes, parts = reader.read_chunk(rows, counts, stop - start)
+        classes, parts = reader.read_chunk(rows, stop - start)
         if rebuild is None:
             yield functools.partial(
                 _located, start, stop - start, bits, src, classes_fn, classes, parts
@@ -288,18 +342,6 @@ def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: in
             rebuild,
         )
         done += m
-
-
-def _class_counts_later(cmap: ClassMap, ci, n: int, chunk: int, pool: bool):
-    start = int(ci) * chunk
-    stop = min(n, start + chunk)
-    return (parallel.submit if pool else parallel.done)(
-        kernels.class_counts,
-        stop - start,
-        cmap.bits[start:stop],
-        cmap.source(start, stop),
-        lambda: cmap.classes(start, stop),
-    )
 
 
 def _located(start, n, bits, src, classes_fn, classes, parts):

@@ -135,6 +135,7 @@ def _encode_chunk(ranks, per_class, counts, unary, u_pos, rem, r_pos, rows):
         rows[n_rows, 1] = k
         rows[n_rows, 2] = 1 if invert else 0
         rows[n_rows, 3] = m
+        rows[n_rows, 4] = counts[c] - m if invert else 0
         n_rows += 1
     return u_pos, r_pos, n_rows
 
@@ -155,24 +156,25 @@ def _get(buf, pos, nbits):
     return v
 
 
-def _decode_chunk(unary, u_pos, rem, r_pos, groups, sizes, limit, want):
-    # Reads a chunk's groups (rows of cls, k, invert, count) from bit
+def _decode_chunk(unary, u_pos, rem, r_pos, groups, limit, want):
+    # Reads a chunk's groups (rows of cls, k, invert, count, kept) from bit
     # positions u_pos / r_pos into `want`: each class's changed ranks, sorted,
-    # class after class. sizes: the class sizes, or empty where no group is
-    # inverted (then ranks are bounded by the chunk, `limit`). Returns the
-    # new positions and 0, or an ERRORS code.
+    # class after class. An inverted group's class holds count + kept
+    # elements; other ranks are bounded by the chunk (`limit`: the element
+    # pass then checks each against its class). Returns the new positions
+    # and 0, or an ERRORS code.
     u_end = 8 * unary.size
     r_end = 8 * rem.size
     out = 0
     for gi in range(groups.shape[0]):
-        c = groups[gi, 0]
         k = groups[gi, 1]
         invert = groups[gi, 2] != 0
         m = groups[gi, 3]
-        bound = sizes[c] if sizes.size else limit
-        if m == 0 or m > bound or (invert and not sizes.size):
+        kept = groups[gi, 4]
+        bound = m + kept if invert else limit
+        if m == 0 or m > bound or bound > limit or (kept and not invert):
             return u_pos, r_pos, -1
-        coded = bound - m if invert else m
+        coded = kept if invert else m
         q_max = bound >> k  # a larger quotient puts the rank past the bound
         prev = -1
         for _ in range(coded):
@@ -252,8 +254,9 @@ def encode_chunk(
     unary: BitWriter,
     rem: BitWriter,
 ) -> np.ndarray:
-    """Code one chunk's groups onto the two streams; its rows (cls, k, invert, count)."""
-    rows = np.zeros((N_CLASSES, 4), np.int64)
+    """Code one chunk's groups onto the two streams; its rows (cls, k, invert,
+    count, kept: an inverted group's unchanged elements, else 0)."""
+    rows = np.zeros((N_CLASSES, 5), np.int64)
     while True:
         u, r, n = _KERNELS[0](
             ranks, per_class, counts, unary.buf, unary.pos, rem.buf, rem.pos, rows
@@ -271,15 +274,13 @@ def decode_chunk(
     rem: np.ndarray,
     r_pos: int,
     groups: np.ndarray,
-    sizes: np.ndarray | None,
     limit: int,
 ) -> tuple[np.ndarray, int, int]:
     """(changed ranks, class after class; new u_pos, r_pos) of one chunk's
-    groups (rows of cls, k, invert, count); ValueError if the streams are bad."""
+    groups (rows of cls, k, invert, count, kept) in a chunk of `limit`
+    elements; ValueError if the streams are bad."""
     want = np.empty(int(groups[:, 3].sum()), np.int64)
-    no_sizes = np.zeros(0, np.int64)
-    s = no_sizes if sizes is None else sizes.astype(np.int64, copy=False)
-    u, r, err = _KERNELS[1](unary, u_pos, rem, r_pos, groups, s, limit, want)
+    u, r, err = _KERNELS[1](unary, u_pos, rem, r_pos, groups, limit, want)
     if err:
         raise ValueError(ERRORS[err])
     return want, u, r
