@@ -57,6 +57,34 @@ def test_scatter_rejects_rank_beyond_class():
         kernels.scatter_ranks(10, bits, src, None, [0], [np.array([3, 12])], backend="numba")
 
 
+@pytest.mark.parametrize("ranks", [[3, 3], [5, 2]])
+def test_scatter_rejects_ranks_that_do_not_rise(ranks):
+    # A class's wanted ranks come from gaps, so they rise strictly; a
+    # corrupt list that repeats or falls is refused, and in place the
+    # chunk is left as it was.
+    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
+    bits = np.arange(10, dtype=np.uint16)
+    want = [np.array(ranks)]
+    with pytest.raises(ValueError):
+        kernels.scatter_ranks(10, bits, src, None, [0], want, backend="numba")
+    values = np.ones(2, np.uint16)
+    with pytest.raises(ValueError):
+        kernels.scatter_rebuild(
+            10,
+            bits,
+            bits,
+            src,
+            None,
+            [0],
+            want,
+            values,
+            kernels.RES_XOR,
+            kernels.KEY_UNSIGNED,
+            backend="numba",
+        )
+    assert np.array_equal(bits, np.arange(10, dtype=np.uint16))
+
+
 def test_top_magnitude():
     bits = np.array([0x3F80, 0xC100, 0x0001], dtype=np.uint16)  # 1.0, -8.0, tiny
     assert kernels.top_magnitude(bits) >> 7 == 0x82  # -8.0's exponent

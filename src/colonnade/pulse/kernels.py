@@ -25,6 +25,8 @@ import numpy as np
 from . import bitcodes
 
 N_CLASSES = 16
+# A class's distance to its next wanted rank when it has none left (scatter).
+FAR = 1 << 62
 MODE_LUT, MODE_ARRAY = 0, 1
 # Order-preserving keys of the "delta" residual (bitcodes.ordered_key).
 KEY_UNSIGNED, KEY_FLOAT, KEY_SIGNED = 0, 1, 2
@@ -62,44 +64,56 @@ def _build_numba():
     # Each kernel runs its element loop once per class mode, written out in
     # full: numba's inlined helpers taking arrays paid reference counting on
     # every call, which made the loops ten times slower.
-    # Every element's class is counted in one of four histograms in turn
-    # (h[i & 3]): consecutive elements mostly share a class, and one
-    # histogram makes each increment wait on the store of the one before;
-    # four let four run at once. A class's count so far is the sum of its
-    # four lanes, read only where it is needed (a change, a wanted rank).
+    # One count per class, read and bumped at every element. (Four counts a
+    # class taken in turn, so that consecutive elements of one class do not
+    # wait on each other's stores, measured slower on the Intel Xeon of
+    # docs/benchmarks.md: the loads that sum them cost more than the wait.)
     @numba.njit(cache=True, nogil=True)
     def class_ranks(new, bits, mode, lut, shift, arr, key, width):  # pragma: no cover
-        # One pass over old and new: each change is noted with its class and
-        # rank as it goes by, then a counting sort of the (few) changes puts
-        # them class-major. The note arrays are sized for every element but
-        # touched only as far as changes fill them (untouched pages cost no
-        # memory). int32: chunk-local, a chunk is far below 2^31 elements.
+        # One pass over old and new: each change is noted with its class,
+        # rank, old and new bits as it goes by (so the sort after it reads no
+        # element again: the chunk is out of the core's cache by then), then
+        # a counting sort of the (few) changes puts them class-major. The
+        # note arrays are sized for every element but touched only as far as
+        # changes fill them (untouched pages cost no memory). int32:
+        # chunk-local, a chunk is far below 2^31 elements.
         n = bits.size
-        h = np.zeros((4, N_CLASSES), np.int64)
+        h = np.zeros(N_CLASSES, np.int64)
         idx = np.empty(n, np.int32)
         rk = np.empty(n, np.int32)
         cl = np.empty(n, np.uint8)
+        was = np.empty_like(bits[: n if width else 0])
+        now = np.empty_like(bits[: n if width else 0])
         m = 0
         if mode == MODE_LUT:
             for i in range(n):
                 b = bits[i]
                 c = lut[b >> shift]
+                r = h[c]
                 if new[i] != b:
                     idx[m] = i
-                    rk[m] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+                    rk[m] = r
                     cl[m] = c
+                    if width:
+                        was[m] = b
+                        now[m] = new[i]
                     m += 1
-                h[i & 3, c] += 1
+                h[c] = r + 1
         else:
             for i in range(n):
+                b = bits[i]
                 c = arr[i]
-                if new[i] != bits[i]:
+                r = h[c]
+                if new[i] != b:
                     idx[m] = i
-                    rk[m] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+                    rk[m] = r
                     cl[m] = c
+                    if width:
+                        was[m] = b
+                        now[m] = new[i]
                     m += 1
-                h[i & 3, c] += 1
-        counts = h[0] + h[1] + h[2] + h[3]
+                h[c] = r + 1
+        counts = h
         per_class = np.zeros(N_CLASSES, np.int64)
         for j in range(m):
             per_class[cl[j]] += 1
@@ -117,13 +131,12 @@ def _build_numba():
         for j in range(m):
             c = cl[j]
             p = fill[c]
-            i = idx[j]
-            order[p] = i
+            order[p] = idx[j]
             ranks[p] = rk[j]
             fill[c] += 1
             if width:
-                o = np.int64(bits[i])
-                nw = np.int64(new[i])
+                o = np.int64(was[j])
+                nw = np.int64(now[j])
                 xor[p] = o ^ nw
                 if key == KEY_FLOAT:
                     o = (~o) & mask if o & top else o | top
@@ -135,28 +148,39 @@ def _build_numba():
                 delta[p] = (~(d << 1)) & mask if d & top else (d << 1) & mask
         return order, ranks, counts, per_class, xor, delta
 
+    # The inverse passes keep, per class, how many of its elements are still
+    # to go by before its next wanted rank (`ahead`; FAR: none wanted): an
+    # element is wanted where its class's count is 0, and otherwise only
+    # that count goes down. No running class sizes, and one load and one
+    # store an element. A class's wanted ranks must rise strictly (as the
+    # decoded gaps make them); if not, a count goes below 0, never meets 0
+    # again, and the pass reports the ranks as not all found.
+    @numba.njit(cache=True, nogil=True)
+    def _ahead(want_start, want):  # pragma: no cover - compiled
+        ahead = np.full(N_CLASSES, FAR, np.int64)
+        for c in range(N_CLASSES):
+            if want_start[c] < want_start[c + 1]:
+                ahead[c] = want[want_start[c]]
+        return ahead
+
     @numba.njit(cache=True, nogil=True)
     def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
         # want: every class's sorted ranks back to back, class c's from
         # want_start[c] to want_start[c+1]; returns their element indices.
-        # Each class's next wanted rank waits in nxt (-1: none left), so the
-        # per-element test reads no want array.
         ptr = want_start[:N_CLASSES].copy()
-        nxt = np.full(N_CLASSES, -1, np.int64)
-        for c in range(N_CLASSES):
-            if ptr[c] < want_start[c + 1]:
-                nxt[c] = want[ptr[c]]
-        h = np.zeros((4, N_CLASSES), np.int64)
+        ahead = _ahead(want_start, want)
         out = np.empty(want.size, np.int32)
         for i in range(n):
             c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
-            if nxt[c] == h[0, c] + h[1, c] + h[2, c] + h[3, c]:
+            a = ahead[c]
+            if a == 0:
                 p = ptr[c]
                 out[p] = i
                 p += 1
                 ptr[c] = p
-                nxt[c] = want[p] if p < want_start[c + 1] else -1
-            h[i & 3, c] += 1
+                ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
+            else:
+                ahead[c] = a - 1
         ok = True
         for c in range(N_CLASSES):
             ok = ok and ptr[c] == want_start[c + 1]
@@ -172,11 +196,7 @@ def _build_numba():
         # from its residual (residuals.rebuild, in int64 on keys of
         # `width` <= 32 bits), its old bits kept in `before`.
         ptr = want_start[:N_CLASSES].copy()
-        nxt = np.full(N_CLASSES, -1, np.int64)
-        for c in range(N_CLASSES):
-            if ptr[c] < want_start[c + 1]:
-                nxt[c] = want[ptr[c]]
-        h = np.zeros((4, N_CLASSES), np.int64)
+        ahead = _ahead(want_start, want)
         loc = np.empty(want.size, np.int32)
         mask = (1 << width) - 1
         top = 1 << (width - 1)
@@ -185,31 +205,33 @@ def _build_numba():
             if copy:
                 out[i] = b
             c = lut[b >> shift] if mode == MODE_LUT else arr[i]
-            if nxt[c] == h[0, c] + h[1, c] + h[2, c] + h[3, c]:
-                p = ptr[c]
-                loc[p] = i
-                before[p] = b
-                o = np.int64(b)
-                v = np.int64(values[p])
-                if res == RES_XOR:
-                    nw = o ^ v
-                else:
-                    if key == KEY_FLOAT:
-                        o = (~o) & mask if o & top else o | top
-                    elif key == KEY_SIGNED:
-                        o ^= top
-                    half = v >> 1
-                    d = (~half) & mask if v & 1 else half
-                    nw = (o + d) & mask
-                    if key == KEY_FLOAT:
-                        nw = nw & (mask ^ top) if nw & top else (~nw) & mask
-                    elif key == KEY_SIGNED:
-                        nw ^= top
-                out[i] = nw
-                p += 1
-                ptr[c] = p
-                nxt[c] = want[p] if p < want_start[c + 1] else -1
-            h[i & 3, c] += 1
+            a = ahead[c]
+            if a != 0:
+                ahead[c] = a - 1
+                continue
+            p = ptr[c]
+            loc[p] = i
+            before[p] = b
+            o = np.int64(b)
+            v = np.int64(values[p])
+            if res == RES_XOR:
+                nw = o ^ v
+            else:
+                if key == KEY_FLOAT:
+                    o = (~o) & mask if o & top else o | top
+                elif key == KEY_SIGNED:
+                    o ^= top
+                half = v >> 1
+                d = (~half) & mask if v & 1 else half
+                nw = (o + d) & mask
+                if key == KEY_FLOAT:
+                    nw = nw & (mask ^ top) if nw & top else (~nw) & mask
+                elif key == KEY_SIGNED:
+                    nw ^= top
+            out[i] = nw
+            p += 1
+            ptr[c] = p
+            ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
         ok = True
         for c in range(N_CLASSES):
             ok = ok and ptr[c] == want_start[c + 1]
