@@ -34,7 +34,24 @@ _LIMIT = 1 << 13
 _TOP = 1 << 24
 
 # The loops below are written out in full, with scalar state: numba's inlined
-# helpers taking arrays paid reference counting per call (7x slower).
+# helpers taking arrays paid reference counting per call (7x slower). The
+# decoder's one helper, `_learn`, updates a context after its decision: each
+# context's probability is kept ready in `prob`, so the division that makes
+# it is paid after a decision, where it overlaps the next, not before it (the
+# decoder waits on every decision; the encoder knows them all and did not
+# gain: docs/benchmarks.md). Both compute the same probabilities.
+
+
+def _learn(counts, prob, k, stop):
+    n0 = counts[k, 0] + (1 if stop else 0)
+    n1 = counts[k, 1] + (0 if stop else 1)
+    if n0 + n1 > _LIMIT:  # old statistics fade
+        n0 = (n0 + 1) >> 1
+        n1 = (n1 + 1) >> 1
+    counts[k, 0] = n0
+    counts[k, 1] = n1
+    # Krichevsky-Trofimov estimate of P(stop), 12 bits, never 0 or 1.
+    prob[k] = min(max(((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2), 1), _ONE - 1)
 
 
 def _encode_values(values, classes, out):
@@ -52,7 +69,6 @@ def _encode_values(values, classes, out):
                 k = base + j
                 n0 = counts[k, 0]
                 n1 = counts[k, 1]
-                # Krichevsky-Trofimov estimate of P(stop), 12 bits, never 0 or 1.
                 p0 = min(max(((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2), 1), _ONE - 1)
                 bound = (rng >> _BITS) * p0
                 stop = target == j
@@ -104,6 +120,7 @@ def _decode_values(data, classes, out):
     # Fills out with values 1..16 (16: an escape, the caller adds the rest);
     # returns the bytes read, or -1 if the stream ends early.
     counts = np.zeros((N_CLASSES * CHAIN, 2), np.int64)
+    prob = np.full(N_CLASSES * CHAIN, _ONE // 2, np.int64)
     if data.size < 5:
         return -1
     rng = 0xFFFFFFFF
@@ -116,21 +133,14 @@ def _decode_values(data, classes, out):
         j = 0
         while j < CHAIN:
             k = base + j
-            n0 = counts[k, 0]
-            n1 = counts[k, 1]
-            p0 = min(max(((2 * n0 + 1) << _BITS) // (2 * (n0 + n1) + 2), 1), _ONE - 1)
-            bound = (rng >> _BITS) * p0
+            bound = (rng >> _BITS) * prob[k]
             stop = code < bound
             if stop:
                 rng = bound
-                counts[k, 0] = n0 + 1
             else:
                 code -= bound
                 rng -= bound
-                counts[k, 1] = n1 + 1
-            if n0 + n1 + 1 > _LIMIT:
-                counts[k, 0] = (counts[k, 0] + 1) >> 1
-                counts[k, 1] = (counts[k, 1] + 1) >> 1
+            _learn(counts, prob, k, stop)
             while rng < _TOP:
                 if pos >= data.size:
                     return -1
@@ -152,7 +162,9 @@ def _compile():
         import numba
     except ImportError:
         return fns
-    return tuple(numba.njit(cache=True, nogil=True)(f) for f in fns)
+    jit = numba.njit(cache=True, nogil=True)
+    globals()["_learn"] = jit(_learn)  # the loops call it by this module global
+    return tuple(jit(f) for f in fns)
 
 
 _ENC_V, _DEC_V = _compile()
