@@ -13,10 +13,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
 MAX_JSON_DEPTH = 32  # protocol documents nest 5 levels at most
+# One decompression context per thread (contexts are not thread-safe): making
+# one costs more than decompressing a small block, and a patch has hundreds.
+_local = threading.local()
 
 
 def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
@@ -30,7 +35,10 @@ def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
             raise ValueError("zstd frame declares no size")
         if declared > limit:
             raise ValueError(f"zstd frame declares {declared} bytes, more than the {limit} allowed")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+        dctx = getattr(_local, "dctx", None)
+        if dctx is None:
+            dctx = _local.dctx = zstandard.ZstdDecompressor()
+        return dctx.decompress(data, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd: {e}") from None
     except MemoryError:  # what is left of the trap: a declared size under the limit

@@ -260,3 +260,27 @@ def test_failed_in_place_apply_puts_the_base_back(precision):
     with pytest.raises(PatchError, match="rebuilt state hashes"):
         apply(base, liar, in_place=True)
     assert bits_equal(base, snapshot)
+
+
+def test_state_hash_takes_leaves_already_computed():
+    from colonnade.pulse.hashing import leaf_hash
+
+    gen = torch.Generator().manual_seed(3)
+    state = {n: torch.randn(50, generator=gen) for n in ("a", "b", "c")}
+    leaves = {"b": leaf_hash(state["b"]), "gone": "00" * 32}  # names not in the state are ignored
+    assert state_hash(state, leaves=leaves) == state_hash(state)
+    # The leaves given are trusted, not recomputed: a wrong one changes the hash.
+    assert state_hash(state, leaves={"a": leaf_hash(state["b"])}) != state_hash(state)
+
+
+@pytest.mark.parametrize("algo", ["blake3", "sha256"])
+def test_hashes_made_beside_the_work_are_the_state_hashes(algo):
+    # encode hashes each new tensor on its worker, apply each rebuilt one:
+    # both must name exactly what state_hash says of the whole state.
+    gen = torch.Generator().manual_seed(4)
+    old = {f"w{i}": torch.randn(300, 40, generator=gen) for i in range(5)}
+    new = {k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
+    new["extra"] = torch.randn(7, generator=gen)
+    patch, stats = encode(old, new, precision="bf16", hash_algo=algo)
+    assert stats.result_hash == state_hash(prepare(new, "bf16"), algo)
+    assert bits_equal(apply(prepare(old, "bf16"), patch), prepare(new, "bf16"))

@@ -82,17 +82,20 @@ class Publisher:
             raise VersionError(f"v{v}: no published state to patch from (adopt one first)")
         new = pulse.prepare(state, self.precision)
         algo = self.hash_algo
-        state_hash = pulse.state_hash(new, algo)
         sizes: dict[str, int | str] = {}
-        if v > 0:
+        if v == 0:
+            state_hash = pulse.state_hash(new, algo)
+        else:
             # A patch names its base by the base's own hash: after a resume that
             # adopted a version hashed otherwise, hash the base again.
             base_hash = self.last_hash
             if base_hash is None or not base_hash.startswith(algo + ":"):
                 base_hash = pulse.state_hash(self.last, algo)
-            payload = pulse.diff(
-                self.last, new, precision="exact", base_hash=base_hash, result_hash=state_hash
+            # The encoder hashes the new state beside its own work.
+            payload, stats = pulse.encode(
+                self.last, new, precision="exact", base_hash=base_hash, hash_algo=algo
             )
+            state_hash = stats.result_hash
             self.store.put(keys.patch_key(v), payload)
             sizes.update(patch_bytes=len(payload), patch_hash=pulse.digest_bytes(payload, algo))
         if v % self.anchor_every == 0:

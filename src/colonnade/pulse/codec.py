@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import zstandard
 
 from . import parallel, positions, residuals, torch_pass
 from .context import choose_context, class_map
 from .format import POSITION_BLOCKS, pack
 from .hashing import DEFAULT as DEFAULT_HASH
-from .hashing import state_hash
+from .hashing import leaf_hash, state_hash
 from .quant import quantize_state
 from .tensors import dtype_name, to_bits, uint_type
 
@@ -89,7 +88,7 @@ def prepare(state: State, precision: str) -> dict[str, torch.Tensor]:
 
 def _full_entry(name: str, t: torch.Tensor) -> tuple[dict, list[bytes]]:
     raw = to_bits(t).tobytes()
-    packed = zstandard.ZstdCompressor(level=1).compress(raw)
+    packed = positions.compress(raw, 1)
     use = len(packed) < len(raw)
     entry = {
         "name": name,
@@ -246,10 +245,19 @@ def encode(
     names = sorted(new_p)
     sizes = [_nbytes(new_p[n]) for n in names]
     base_hash = base_hash or state_hash(old_p, hash_algo)
-    result_hash = result_hash or state_hash(new_p, hash_algo)
-    results = parallel.budgeted_map(
-        lambda n: _encode_tensor(n, old_p, new_p[n]), names, sizes, parallel.tensor_budget(sizes)
-    )
+    hash_new = result_hash is None
+
+    def encoded(name: str):
+        # Without a result hash, each new tensor is hashed on the thread that
+        # has just read it, beside the others' work (as `apply` does).
+        found = _encode_tensor(name, old_p, new_p[name])
+        return found, leaf_hash(new_p[name], hash_algo, threaded=False) if hash_new else ""
+
+    pairs = parallel.budgeted_map(encoded, names, sizes, parallel.tensor_budget(sizes))
+    results = [found for found, _ in pairs]
+    if result_hash is None:
+        leaves = {n: leaf for n, (_, leaf) in zip(names, pairs, strict=True)}
+        result_hash = state_hash(new_p, hash_algo, leaves)
     stats = PatchStats(precision, base_hash=base_hash, result_hash=result_hash)
     entries, blocks = [], []
     for name, r in zip(names, results, strict=True):

@@ -72,9 +72,11 @@ def digest_file(path: Path, algo: str = DEFAULT) -> str:
     return f"{algo}:{h.hexdigest()}"
 
 
-def _leaf(t: torch.Tensor, algo: str) -> str:
+def leaf_hash(t: torch.Tensor, algo: str = DEFAULT, threaded: bool = True) -> str:
+    """One tensor's hex leaf hash (a line of the state's table); `threaded`:
+    a large tensor on every core (BLAKE3), else on this thread alone."""
     bits = to_bits(t)
-    h = _new(algo, threaded=bits.nbytes >= _THREADED_BYTES)
+    h = _new(algo, threaded=threaded and bits.nbytes >= _THREADED_BYTES)
     h.update(memoryview(bits).cast("B"))
     return h.hexdigest()
 
@@ -83,10 +85,10 @@ def tensor_table(state: Mapping[str, torch.Tensor], algo: str = DEFAULT) -> dict
     """{name: hex leaf hash} of every tensor (hashed in parallel)."""
     names = sorted(state)
     if algo == "blake3":  # BLAKE3 threads large tensors itself
-        leaves = [_leaf(state[n], algo) for n in names]
+        leaves = [leaf_hash(state[n], algo) for n in names]
     else:  # hashlib frees the GIL: tensors in parallel
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            leaves = list(pool.map(lambda n: _leaf(state[n], algo), names))
+            leaves = list(pool.map(lambda n: leaf_hash(state[n], algo), names))
     return dict(zip(names, leaves, strict=True))
 
 
@@ -96,13 +98,23 @@ def _line(name: str, t: torch.Tensor, leaf: str) -> bytes:
     return f"{len(name)}:{name}|{dtype_name(t)}|[{dims}]|{nbytes}|{leaf}\n".encode()
 
 
-def state_hash(state: Mapping[str, torch.Tensor], algo: str = DEFAULT) -> str:
-    """The state's hash: `{algo}:{hex}` over its tensor table."""
-    table = tensor_table(state, algo)
+def state_hash(
+    state: Mapping[str, torch.Tensor],
+    algo: str = DEFAULT,
+    leaves: Mapping[str, str] | None = None,
+) -> str:
+    """The state's hash: `{algo}:{hex}` over its tensor table.
+
+    leaves: {name: leaf_hash(state[name], algo)} already computed for some
+    tensors (the caller vouches they are of these very bits); the rest are
+    hashed here.
+    """
+    known = {n: leaf for n, leaf in (leaves or {}).items() if n in state}
+    table = {**tensor_table({n: t for n, t in state.items() if n not in known}, algo), **known}
     h = _new(algo)
     h.update(DOMAIN)
-    for name, leaf in table.items():
-        h.update(_line(name, state[name], leaf))
+    for name in sorted(table):
+        h.update(_line(name, state[name], table[name]))
     return f"{algo}:{h.hexdigest()}"
 
 

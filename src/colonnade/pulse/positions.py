@@ -18,6 +18,7 @@ for "rice", ascending for "mask".
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +189,7 @@ class RiceEncoder:
 
     def blocks(self, level: int) -> list[bytes]:
         """[groups, unary quotients, remainders]."""
-        table = zstandard.ZstdCompressor(level=level).compress(pack_groups(self.groups))
+        table = compress(pack_groups(self.groups), level)
         return [table, self._unary.getvalue(), self._rem.getvalue()]
 
 
@@ -359,7 +360,7 @@ def _rebuilt(start, bits, dst, src, classes_fn, classes, parts, values, rebuild:
 
 def mask_block(packed: list[np.ndarray], level: int) -> bytes:
     """The "mask" code from each chunk's np.packbits (chunks a multiple of 8 long)."""
-    return zstandard.ZstdCompressor(level=level).compress(b"".join(p.tobytes() for p in packed))
+    return compress(b"".join(p.tobytes() for p in packed), level)
 
 
 def mask_chunks(block: memoryview, n: int):
@@ -373,6 +374,21 @@ def mask_chunks(block: memoryview, n: int):
         local = np.flatnonzero(bits)
         if local.size:
             yield start, local
+
+
+_local = threading.local()
+
+
+def compress(data: bytes, level: int) -> bytes:
+    """zstd at `level`, with this thread's context for that level (making a
+    context costs more than compressing a small block; they are not
+    thread-safe)."""
+    cctx = getattr(_local, "cctx", None)
+    if cctx is None:
+        cctx = _local.cctx = {}
+    if level not in cctx:
+        cctx[level] = zstandard.ZstdCompressor(level=level)
+    return cctx[level].compress(data)
 
 
 def _decompress(block: bytes, expected: int | None) -> bytes:

@@ -18,10 +18,9 @@ The encoder keeps the smallest combination it tries per tensor (see _candidates)
 from __future__ import annotations
 
 import numpy as np
-import zstandard
 
 from . import bitcodes, kernels, rangecoder
-from .positions import decompress
+from .positions import compress, decompress
 from .tensors import FLOAT_DTYPES, SIGNED_INT_DTYPES
 
 ZSTD_LEVEL = 3
@@ -38,17 +37,21 @@ def _key(bits: np.ndarray, dtype: str) -> np.ndarray:
     return bitcodes.ordered_key(bits, dtype in FLOAT_DTYPES, dtype in SIGNED_INT_DTYPES)
 
 
-def _sym2(values: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
+def _sym2(values: np.ndarray) -> list[bytes]:
     sym = np.minimum(values - values.dtype.type(1), 3).astype(np.uint8)
     sym = np.concatenate([sym, np.zeros(-sym.size % 4, np.uint8)]).reshape(-1, 4)
     packed = (sym[:, 0] << 6) | (sym[:, 1] << 4) | (sym[:, 2] << 2) | sym[:, 3]
     escapes = values[values >= 4] - values.dtype.type(4)
-    return [cctx.compress(packed.tobytes()), cctx.compress(bitcodes.byte_planes(escapes))]
+    return [_z(packed.tobytes()), _z(bitcodes.byte_planes(escapes))]
 
 
-def _rc(values: np.ndarray, classes: np.ndarray, cctx: zstandard.ZstdCompressor) -> list[bytes]:
+def _z(data: bytes) -> bytes:
+    return compress(data, ZSTD_LEVEL)
+
+
+def _rc(values: np.ndarray, classes: np.ndarray) -> list[bytes]:
     escapes = values[values >= rangecoder.CHAIN + 1] - values.dtype.type(rangecoder.CHAIN + 1)
-    return [rangecoder.encode_values(values, classes), cctx.compress(bitcodes.byte_planes(escapes))]
+    return [rangecoder.encode_values(values, classes), _z(bitcodes.byte_planes(escapes))]
 
 
 class ResidualParts:
@@ -80,10 +83,9 @@ class ResidualParts:
 
     def encode(self, classes: np.ndarray) -> tuple[str, str, list[bytes]]:
         """(transform, layout, blocks) of the smallest coding tried (see _candidates)."""
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        return min(self._candidates(classes, cctx), key=lambda c: sum(map(len, c[2])))
+        return min(self._candidates(classes), key=lambda c: sum(map(len, c[2])))
 
-    def _candidates(self, classes, cctx):
+    def _candidates(self, classes):
         """(transform, layout, blocks) worth trying, lazily.
 
         With the compiled range coder, the key delta in `rc` wins on every
@@ -92,13 +94,13 @@ class ResidualParts:
         the zstd layouts of both transforms compete.
         """
         xor, delta = self._xor[: self.size], self._delta[: self.size]
-        yield "xor", "planes", [cctx.compress(bitcodes.byte_planes(xor))]
+        yield "xor", "planes", [_z(bitcodes.byte_planes(xor))]
         if rangecoder.COMPILED:
-            yield "delta", "rc", _rc(delta, classes, cctx)
+            yield "delta", "rc", _rc(delta, classes)
             return
-        yield "delta", "planes", [cctx.compress(bitcodes.byte_planes(delta))]
-        yield "delta", "sym2", _sym2(delta, cctx)
-        yield "xor", "sym2", _sym2(xor, cctx)
+        yield "delta", "planes", [_z(bitcodes.byte_planes(delta))]
+        yield "delta", "sym2", _sym2(delta)
+        yield "xor", "sym2", _sym2(xor)
 
 
 def _unsym2(blocks: list[memoryview], count: int, ut: type) -> np.ndarray:
