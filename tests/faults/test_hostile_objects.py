@@ -229,8 +229,8 @@ def _hostile_batches() -> dict[str, tuple[bytes, str]]:
         "nested metadata": (forge({"x": _nested(1, 200)}, t), "schema"),
         "a pickle": (compress(b"\x80\x04\x95" + raw), "schema"),
         "header cut short": (compress(raw[: 8 + n // 2]), "schema"),
-        "protocol 6": (forge({**fields, "protocol": 6}, t), "protocol"),
-        "protocol 4 (no pace hint)": (forge({**fields, "protocol": 4}, t), "protocol"),
+        "protocol 7": (forge({**fields, "protocol": 7}, t), "protocol"),
+        "protocol 5 (PULSE format 2)": (forge({**fields, "protocol": 5}, t), "protocol"),
         "a JSON batch (protocol 2)": (compress(json.dumps(json_batch).encode()), "protocol"),
     }
 
@@ -252,12 +252,12 @@ def test_hostile_binary_batches_are_rejected_and_the_honest_one_taken(tmp_path, 
 def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
     store = LocalStore(tmp_path)
     fields, t = _parts()
-    store.put(keys.rollout_key(0, "attacker", 0), forge({**fields, "protocol": 4}, t))
+    store.put(keys.rollout_key(0, "attacker", 0), forge({**fields, "protocol": 5}, t))
     c = _collector(store)
     with caplog.at_level("WARNING", logger="colonnade.trainer"):
         c.collect(0, need=1, timeout=0.2)
     (line,) = [r.getMessage() for r in caplog.records if "rejected batch" in r.getMessage()]
-    assert "(protocol)" in line and "speaks protocol 4; this colonnade speaks 5" in line
+    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 6" in line
     assert "\n" not in line
 
 

@@ -78,7 +78,7 @@ def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
         "lengths": ("<i4", (2,)),
     }
     _, fields, _ = split(_batch())
-    assert fields == {"protocol": 5, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
+    assert fields == {"protocol": 6, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
                       "stats": {"reward": 0.5},
                       "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
 
@@ -269,11 +269,11 @@ def test_headers_that_lie_about_their_size_or_nest_are_rejected():
 def test_a_json_batch_of_protocol_2_is_refused_naming_both_versions():
     doc = {"engine": "torch", "groups": [], "seq": 0, "stats": {}, "version": 0, "worker": "w1"}
     old = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 5"):
+    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 6"):
         decode_batch(old, 100, 16)
     _, fields, tensors = split(_batch())
-    for theirs in (2, 3, 4, 6, "5", 5.0, True):  # 4: a worker of the release before
-        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 5"):
+    for theirs in (2, 3, 4, 5, 7, "6", 6.0, True):  # 5: a worker of the release before
+        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 6"):
             decode_batch(forge({**fields, "protocol": theirs}, tensors), 100, 16)
 
 
@@ -326,9 +326,9 @@ def test_run_spec_round_trip_and_validation():
     with pytest.raises(SchemaError, match="precision"):
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
     # 1: the SHA-256 protocol, 2: JSON batches, of earlier releases
-    for old in (b'"protocol":1', b'"protocol":4', b'"protocol":9', b'"protocol":5.0'):
-        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 5"):
-            RunSpec.from_json(spec.to_json().replace(b'"protocol":5', old))
+    for old in (b'"protocol":1', b'"protocol":5', b'"protocol":9', b'"protocol":6.0'):
+        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 6"):
+            RunSpec.from_json(spec.to_json().replace(b'"protocol":6', old))
 
 
 def test_run_spec_without_groups_per_step_is_read_as_unpaced():
@@ -519,8 +519,8 @@ def test_a_worker_refuses_a_run_of_another_protocol_in_one_line(tmp_path, capsys
     spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {})
     store = LocalStore(tmp_path)
     # A run of the release before: refused, naming both.
-    store.put(keys.RUN, spec.to_json().replace(b'"protocol":5', b'"protocol":4'))
+    store.put(keys.RUN, spec.to_json().replace(b'"protocol":6', b'"protocol":5'))
     assert main(["worker", "--store", str(tmp_path), "--id", "w1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert "run.json speaks protocol 4; this colonnade speaks 5" in err
+    assert "run.json speaks protocol 5; this colonnade speaks 6" in err

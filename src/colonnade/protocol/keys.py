@@ -31,7 +31,8 @@ import re
 #    claims a slot (claims/{v}/{slot}.json) before it makes a batch.
 # 5: latest.json carries the trainer's seconds per version, so that a joiner
 #    polls at the pace of the versions from its first look.
-PROTOCOL_VERSION = 5
+# 6: patches are PULSE format 3 (an inverted rice group states its class size).
+PROTOCOL_VERSION = 6
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
