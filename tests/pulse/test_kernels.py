@@ -45,8 +45,19 @@ def test_backends_agree(n, density, n_cls, mode, seed):
     # Inverse: scatter the ranks back to element indices.
     classes = [int(c) for c in np.unique(cls[order])]
     parts = [ranks[cls[order] == c] for c in classes]
+    wanted = kernels.Wanted.of(classes, parts)
+    flat = kernels.Wanted.flat(
+        np.array(classes, int),
+        [p.size for p in parts],
+        np.concatenate(parts) if parts else np.zeros(0, np.int64),
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(wanted, flat, strict=True))
+    got_cls, got_parts = wanted.groups()
+    assert list(got_cls) == classes and all(
+        np.array_equal(a, b) for a, b in zip(got_parts, parts, strict=True)
+    )
     for backend in ("numpy", "numba"):
-        got = kernels.scatter_ranks(n, bits, src, lambda: cls, classes, parts, backend=backend)
+        got = kernels.scatter_ranks(n, bits, src, lambda: cls, wanted, backend=backend)
         assert np.array_equal(got, order)
 
 
@@ -54,7 +65,8 @@ def test_scatter_rejects_rank_beyond_class():
     src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
     bits = np.zeros(10, np.uint16)
     with pytest.raises(ValueError):
-        kernels.scatter_ranks(10, bits, src, None, [0], [np.array([3, 12])], backend="numba")
+        wanted = kernels.Wanted.of([0], [np.array([3, 12])])
+        kernels.scatter_ranks(10, bits, src, None, wanted, backend="numba")
 
 
 @pytest.mark.parametrize("ranks", [[3, 3], [5, 2]])
@@ -64,9 +76,9 @@ def test_scatter_rejects_ranks_that_do_not_rise(ranks):
     # chunk is left as it was.
     src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
     bits = np.arange(10, dtype=np.uint16)
-    want = [np.array(ranks)]
+    want = kernels.Wanted.of([0], [np.array(ranks)])
     with pytest.raises(ValueError):
-        kernels.scatter_ranks(10, bits, src, None, [0], want, backend="numba")
+        kernels.scatter_ranks(10, bits, src, None, want, backend="numba")
     values = np.ones(2, np.uint16)
     with pytest.raises(ValueError):
         kernels.scatter_rebuild(
@@ -75,7 +87,6 @@ def test_scatter_rejects_ranks_that_do_not_rise(ranks):
             bits,
             src,
             None,
-            [0],
             want,
             values,
             kernels.RES_XOR,

@@ -139,7 +139,16 @@ def test_scatter_rebuild_matches_numpy(n, density, dtype, key, res, in_place, se
         base = bits.copy()
         out = base if in_place else np.zeros_like(base)
         loc, before = kernels.scatter_rebuild(
-            n, base, out, src, lambda: cls, classes, parts, values, res, key, backend=backend
+            n,
+            base,
+            out,
+            src,
+            lambda: cls,
+            kernels.Wanted.of(classes, parts),
+            values,
+            res,
+            key,
+            backend=backend,
         )
         results.append((out.copy(), loc, before))
         assert np.array_equal(out, new)
@@ -152,7 +161,15 @@ def test_scatter_rebuild_rejects_rank_beyond_class():
     bits = np.zeros(10, np.uint16)
     with pytest.raises(ValueError):
         kernels.scatter_rebuild(
-            10, bits, bits, src, None, [0], [np.array([3, 12])], np.ones(2, np.uint16), 0, 0
+            10,
+            bits,
+            bits,
+            src,
+            None,
+            kernels.Wanted.of([0], [np.array([3, 12])]),
+            np.ones(2, np.uint16),
+            0,
+            0,
         )
     assert not bits.any()  # in place: the rank found before the bad one is put back
 

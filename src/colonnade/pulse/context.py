@@ -10,6 +10,7 @@ the base, so the grouping costs nothing to transmit but one reference number.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -53,6 +54,17 @@ def choose_context(name: str, base: torch.Tensor, state: Mapping[str, torch.Tens
     return "none"
 
 
+@functools.cache
+def _exponent_lut(dtype: str, itemsize: int, e0: int) -> np.ndarray:
+    """Class of each sign+exponent value (read-only; shared by every tensor
+    of this dtype and e0: a patch has hundreds of tensors and few e0s)."""
+    shift, mask = _EXPONENT[dtype]
+    top = np.arange(1 << (itemsize * 8 - shift), dtype=np.int64)
+    table = np.clip((top & mask) - e0, 0, N_CLASSES - 1).astype(np.uint8)
+    table.flags.writeable = False
+    return table
+
+
 class ClassMap:
     """Per-element classes of one base tensor, computed chunk by chunk.
 
@@ -89,9 +101,7 @@ class ClassMap:
 
     def _lut(self) -> np.ndarray:
         if self._table is None:
-            shift, mask = _EXPONENT[self.dtype]
-            top = np.arange(1 << (self.bits.dtype.itemsize * 8 - shift), dtype=np.int64)
-            self._table = np.clip((top & mask) - self.e0, 0, N_CLASSES - 1).astype(np.uint8)
+            self._table = _exponent_lut(self.dtype, self.bits.dtype.itemsize, self.e0)
         return self._table
 
     def source(self, start: int, stop: int) -> kernels.ClassSource:

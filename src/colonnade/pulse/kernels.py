@@ -301,32 +301,50 @@ def residual_transforms(old: np.ndarray, new: np.ndarray, key: int):
     return old ^ new, bitcodes.zigzag(k_new - k_old)
 
 
+class Wanted(NamedTuple):
+    """The (class, rank) pairs a chunk's inverse pass looks for."""
+
+    start: np.ndarray  # int64[N_CLASSES + 1]: class c's ranks are want[start[c]:start[c + 1]]
+    want: np.ndarray  # int64: each class's ranks, rising, class after class
+
+    @classmethod
+    def of(cls, group_cls: list[int], ranks: list[np.ndarray]) -> Wanted:
+        """From each class's ranks."""
+        per = np.zeros(N_CLASSES, np.int64)
+        for c, r in zip(group_cls, ranks, strict=True):
+            per[c] = r.size
+        want = np.concatenate(ranks).astype(np.int64) if ranks else np.zeros(0, np.int64)
+        return cls(np.concatenate(([0], np.cumsum(per))), want)
+
+    @classmethod
+    def flat(cls, group_cls: np.ndarray, counts: np.ndarray, want: np.ndarray) -> Wanted:
+        """From the ranks already back to back (`counts` of them for each of
+        `group_cls`, in rising class order), as the Rice decoder gives them."""
+        per = np.zeros(N_CLASSES, np.int64)
+        per[group_cls] = counts
+        return cls(np.concatenate(([0], np.cumsum(per))), want)
+
+    def groups(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(classes with ranks, their ranks)."""
+        cs = np.flatnonzero(np.diff(self.start))
+        return cs, [self.want[self.start[c] : self.start[c + 1]] for c in cs]
+
+
 def scatter_ranks(
     n: int,
     bits: np.ndarray,
     src: ClassSource,
     classes_fn,
-    group_cls: list[int],
-    ranks: list[np.ndarray],
+    wanted: Wanted,
     backend: str | None = None,
 ) -> np.ndarray:
-    """Indices, in class-major order, of the elements with the given (class, ranks)."""
+    """Indices, in class-major order, of the elements with the wanted (class, ranks)."""
     if not _use_numba(backend):
-        return _numpy_scatter(classes_fn(), np.array(group_cls, np.int64), ranks)
-    start, want = _want(group_cls, ranks)
-    out, ok = _NUMBA[1](n, *_args(bits, src), start, want)
+        return _numpy_scatter(classes_fn(), *wanted.groups())
+    out, ok = _NUMBA[1](n, *_args(bits, src), wanted.start, wanted.want)
     if not ok:
         raise ValueError("a rank lies beyond its class")
     return out
-
-
-def _want(group_cls: list[int], ranks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    per = np.zeros(N_CLASSES, np.int64)
-    for c, r in zip(group_cls, ranks, strict=True):
-        per[c] = r.size
-    start = np.concatenate(([0], np.cumsum(per)))
-    want = np.concatenate(ranks).astype(np.int64) if ranks else np.zeros(0, np.int64)
-    return start, want
 
 
 def scatter_rebuild(
@@ -335,8 +353,7 @@ def scatter_rebuild(
     out: np.ndarray,
     src: ClassSource,
     classes_fn,
-    group_cls: list[int],
-    ranks: list[np.ndarray],
+    wanted: Wanted,
     values: np.ndarray,
     res: int,
     key: int,
@@ -352,7 +369,7 @@ def scatter_rebuild(
     """
     width = bits.dtype.itemsize * 8
     if _use_numba(backend) and width <= 32:
-        start, want = _want(group_cls, ranks)
+        start, want = wanted
         if want.size != values.size:
             raise ValueError("residual count does not match the positions")
         before = np.empty(want.size, bits.dtype)
@@ -376,7 +393,7 @@ def scatter_rebuild(
         if not ok:
             raise ValueError("a rank lies beyond its class")
         return loc, before
-    loc = scatter_ranks(n, bits, src, classes_fn, group_cls, ranks, backend)
+    loc = scatter_ranks(n, bits, src, classes_fn, wanted, backend)
     if loc.size != values.size:
         raise ValueError("residual count does not match the positions")
     before = bits[loc]

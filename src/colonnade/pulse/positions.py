@@ -234,9 +234,8 @@ class _RiceReader:
         self.r_off += count * k
         return (q << np.uint64(k)) | r
 
-    def read_chunk(self, rows: np.ndarray, limit: int) -> tuple[list[int], list[np.ndarray]]:
-        """(classes, their changed ranks) of one chunk's group rows (a chunk
-        of `limit` elements)."""
+    def read_chunk(self, rows: np.ndarray, limit: int) -> kernels.Wanted:
+        """The changed ranks of one chunk's group rows (a chunk of `limit` elements)."""
         if rice.COMPILED:
             table = np.stack(
                 [rows["cls"], rows["k"], rows["invert"], rows["count"], rows["kept"]], axis=1
@@ -244,8 +243,7 @@ class _RiceReader:
             want, self.unary.bits_used, self.r_off = rice.decode_chunk(
                 self.unary_bytes, self.unary.bits_used, self.rem, self.r_off, table, limit
             )
-            cuts = np.cumsum(table[:, 3])[:-1]
-            return table[:, 0].tolist(), np.split(want, cuts)
+            return kernels.Wanted.flat(table[:, 0], table[:, 3], want)
         classes, parts = [], []
         for g in rows:
             c, m, kept = int(g["cls"]), int(g["count"]), int(g["kept"])
@@ -258,7 +256,7 @@ class _RiceReader:
                 raise ValueError("rank beyond its class")
             classes.append(c)
             parts.append(_complement(ranks, size) if g["invert"] else ranks)
-        return classes, parts
+        return kernels.Wanted.of(classes, parts)
 
     def check_used(self) -> None:
         if -(-self.unary.bits_used // 8) != len(self.blocks[0]) or -(-self.r_off // 8) != len(
@@ -321,13 +319,11 @@ def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: in
 
         bits, src = cmap.bits[start:stop], cmap.source(start, stop)
         rows = groups[groups["chunk"] == ci]
-        classes, parts = reader.read_chunk(rows, stop - start)
+        wanted = reader.read_chunk(rows, stop - start)
         if rebuild is None:
-            yield functools.partial(
-                _located, start, stop - start, bits, src, classes_fn, classes, parts
-            )
+            yield functools.partial(_located, start, stop - start, bits, src, classes_fn, wanted)
             continue
-        m = sum(p.size for p in parts)
+        m = wanted.want.size
         if done + m > rebuild.values.size:
             raise ValueError(f"positions hold more changes than the {rebuild.values.size} coded")
         yield functools.partial(
@@ -337,21 +333,20 @@ def _chunk_passes(groups, reader: _RiceReader, n: int, cmap: ClassMap, chunk: in
             rebuild.dst[start:stop],
             src,
             classes_fn,
-            classes,
-            parts,
+            wanted,
             rebuild.values[done : done + m],
             rebuild,
         )
         done += m
 
 
-def _located(start, n, bits, src, classes_fn, classes, parts):
-    return start, kernels.scatter_ranks(n, bits, src, classes_fn, classes, parts)
+def _located(start, n, bits, src, classes_fn, wanted):
+    return start, kernels.scatter_ranks(n, bits, src, classes_fn, wanted)
 
 
-def _rebuilt(start, bits, dst, src, classes_fn, classes, parts, values, rebuild: Rebuild):
+def _rebuilt(start, bits, dst, src, classes_fn, wanted, values, rebuild: Rebuild):
     local, before = kernels.scatter_rebuild(
-        bits.size, bits, dst, src, classes_fn, classes, parts, values, rebuild.res, rebuild.key
+        bits.size, bits, dst, src, classes_fn, wanted, values, rebuild.res, rebuild.key
     )
     if rebuild.undo is not None:
         rebuild.undo.append((rebuild.dst, start, local, before))
