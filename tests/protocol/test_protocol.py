@@ -392,6 +392,41 @@ def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
     assert j.anchors_read == 1 and j.bytes_read == metas[6].anchor_bytes + metas[7].patch_bytes
 
 
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_a_follower_patches_in_place_without_a_second_state(tmp_path, precision):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store, precision, anchor_every=10)
+    states = _states(3)
+    for s in states:
+        pub.publish(s)
+    f, copying = Follower(store, anchor_every=10), Follower(store, 10, in_place=False)
+    f.sync(0)
+    copying.sync(0)
+    held = dict(f.state)
+    f.sync(2)
+    copying.sync(2)
+    assert pulse.state_hash(f.state) == pulse.state_hash(copying.state)
+    rewritten = [k for k in f.state if f.state[k] is not held[k]]
+    assert rewritten  # new objects where a patch wrote, as after a copying apply...
+    for k in rewritten:  # ...over the very memory the state had
+        assert f.state[k].data_ptr() == held[k].data_ptr()
+    assert any(copying.state[k].data_ptr() != held[k].data_ptr() for k in rewritten)
+
+
+def test_an_int8_linear_keeps_its_own_copy_of_the_codes():
+    # A worker's follower rewrites its state in place while the engine runs.
+    from colonnade.model.int8 import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (24, 32), generator=gen, dtype=torch.int8)
+    scale, bias = torch.rand(24, generator=gen) + 0.1, torch.randn(24, generator=gen)
+    layer = Int8Linear(codes, scale, bias)
+    x = torch.randn(3, 32, generator=gen)
+    before = layer(x)
+    codes.add_(1), scale.mul_(2), bias.add_(1)
+    assert torch.equal(layer(x), before)
+
+
 def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
     store = LocalStore(tmp_path)
     pub = Publisher(store, "int8", anchor_every=2)

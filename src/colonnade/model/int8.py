@@ -80,9 +80,15 @@ class Int8Linear(nn.Module):
         # Set by `Siblings`: the stacked layer this one's output comes from.
         object.__setattr__(self, "_siblings", None)
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.contiguous(), persistent=False)
-        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        # Copies, never views of the state given: a worker rebuilds its next
+        # version inside that state (PULSE in place) while this layer runs.
+        self.register_buffer("codes", codes.detach().contiguous().clone(), persistent=False)
+        self.register_buffer("scale", scale.detach().float().contiguous().clone(), persistent=False)
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        )
         self._plan: list[Kernel | None] = [None] * len(ROW_BUCKETS)
         self._packed: dict[str, tuple[torch.Tensor, ...]] = {}
         # The last call's row count, kernel, packed codes and the float32

@@ -240,8 +240,11 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
 class Follower:
     """Worker side: the newest published state, rebuilt and verified."""
 
-    def __init__(self, store: ObjectStore, anchor_every: int):
-        self.store, self.anchor_every = store, anchor_every
+    def __init__(self, store: ObjectStore, anchor_every: int, in_place: bool = True):
+        """in_place: patches rebuild the state inside its own tensors (no
+        second copy of the state while applying); whoever reads `state` must
+        then copy what it keeps (the engines do)."""
+        self.store, self.anchor_every, self.in_place = store, anchor_every, in_place
         self.state: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
         self.state_hash: str | None = None
@@ -286,7 +289,14 @@ class Follower:
             known = self.state_hash
             if algo_of(known) != algo_of(header["base_hash"]):
                 known = None
-            self.state = pulse.apply(self.state, patch, base_hash=known)
+            state = pulse.apply(self.state, patch, base_hash=known, in_place=self.in_place)
+            if self.in_place:
+                # A rewritten tensor gets a new tensor object over the same
+                # memory: whoever holds the old object (a worker telling which
+                # tensors to load again) sees it changed, as after a copy.
+                names = {e["name"] for e in header["tensors"]}
+                state = {k: t.detach() if k in names else t for k, t in state.items()}
+            self.state = state
             self.bytes_read += meta.patch_bytes
             self.version, self.state_hash = meta.version, meta.state_hash
 
