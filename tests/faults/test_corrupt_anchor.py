@@ -74,6 +74,14 @@ def synced(store, v: int) -> Follower:
     return f
 
 
+def fork(follower: Follower) -> Follower:
+    """Another follower at the same version, with its own copy of the state
+    (a follower patches its state in place)."""
+    other = copy.copy(follower)
+    other.state = {k: t.clone() for k, t in follower.state.items()}
+    return other
+
+
 @pytest.mark.timeout(120)
 def test_a_damaged_anchor_is_refused_and_the_next_anchor_recovers(run):
     store, metas = run
@@ -91,12 +99,12 @@ def test_a_damaged_anchor_is_refused_and_the_next_anchor_recovers(run):
             caught += 1
         # Crossing the anchor from v3 needs only v4's patch: the damaged
         # full state is never read by a follower that keeps up.
-        crossing = copy.copy(before)  # sync replaces the state dict, never writes into it
+        crossing = fork(before)
         assert crossing.sync(5) and crossing.version == 5 and held_ok(crossing, metas), what
         assert crossing.anchors_read == before.anchors_read, what
         # A follower past the anchor does not need it either; the newest version
         # comes from the intact v8 anchor.
-        past = copy.copy(after)  # sync replaces the state dict, never writes into it
+        past = fork(after)
         assert past.sync(7) and past.version == 7 and held_ok(past, metas), what
         newest = Follower(store, K)
         assert newest.sync() and newest.version == VERSIONS - 1, what

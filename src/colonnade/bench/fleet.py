@@ -220,8 +220,10 @@ class SharedDecode:
         return getattr(self._real, name)
 
     def apply(self, base, patch, *, base_hash: str | None = None, in_place: bool = False):
-        if base_hash is None or in_place:
-            return self._real.apply(base, patch, base_hash=base_hash, in_place=in_place)
+        # Never in place: the fleet's followers share one copy of each state,
+        # which one of them must not rewrite under the others.
+        if base_hash is None:
+            return self._real.apply(base, patch, base_hash=base_hash)
         key = (base_hash, self._real.read_header(patch)["result_hash"])
         with self._lock:
             busy = self._busy.setdefault(key, threading.Lock())
