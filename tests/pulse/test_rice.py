@@ -156,24 +156,6 @@ def test_scatter_rebuild_matches_numpy(n, density, dtype, key, res, in_place, se
     assert all(np.array_equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_scatter_rebuild_rejects_rank_beyond_class():
-    src = kernels.ClassSource(kernels.MODE_ARRAY, np.zeros(1, np.uint8), 0, np.zeros(10, np.uint8))
-    bits = np.zeros(10, np.uint16)
-    with pytest.raises(ValueError):
-        kernels.scatter_rebuild(
-            10,
-            bits,
-            bits,
-            src,
-            None,
-            kernels.Wanted.of([0], [np.array([3, 12])]),
-            np.ones(2, np.uint16),
-            0,
-            0,
-        )
-    assert not bits.any()  # in place: the rank found before the bad one is put back
-
-
 def test_bit_writer_grows_and_keeps_bits():
     w = rice.BitWriter(1)
     w.pos = 5
