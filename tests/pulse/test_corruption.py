@@ -187,3 +187,47 @@ def test_resealed_damage_to_an_in_place_apply_leaves_the_base_as_it_was(monkeypa
             time.sleep(0.001)  # nothing left running may write after the raise
             assert bits_equal(base, snapshot)
     assert failed > 30
+
+
+def test_a_group_table_that_claims_huge_counts_is_a_patch_error():
+    # A resealed group table whose counts sum past the tensor: refused before
+    # anything is sized by them (residual classes, wanted ranks).
+    import json
+
+    from colonnade.pulse import positions
+
+    gen = torch.Generator().manual_seed(11)
+    old = {"w": torch.randn(64, 64, generator=gen)}
+    new = {"w": perturb(old["w"], 0.03, gen)}
+    patch, _ = encode(old, new, precision="bf16")
+    c = fmt.unpack(patch)
+    (entry,) = c.header["tensors"]
+    assert entry["pos"] == "rice"
+    first = entry["blocks"][0]
+    g = positions.unpack_groups(zstandard.ZstdDecompressor().decompress(c.payload[:first]))
+    for field, value in (("count", 2**32 - 1), ("count", 0), ("kept", 2**31)):
+        bad = g.copy()
+        bad[field][0] = value
+        if field == "kept":
+            bad["invert"][0] = 1
+        table = zstandard.ZstdCompressor().compress(positions.pack_groups(bad))
+        h = json.loads(json.dumps(c.header))
+        h["tensors"][0]["blocks"][0] = len(table)
+        h["payload_bytes"] += len(table) - first
+        hb = zstandard.ZstdCompressor().compress(json.dumps(h).encode())
+        with pytest.raises(PatchError, match="group count out of range"):
+            apply(prepare(old, "bf16"), _reseal(hb, table + bytes(c.payload[first:])))
+
+
+def test_in_place_rebuilds_tensors_that_share_memory_as_copies():
+    # Two names over one storage (a tied head): each leaf is hashed as soon
+    # as its tensor is done, so neither may be rewritten under the other.
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(32, 16, generator=gen).bfloat16()
+    base = {"emb": w, "head": w, "norm": torch.ones(16).bfloat16()}
+    new = {"emb": perturb(w.float(), 0.05, gen).bfloat16(), "head": w.clone(), "norm": base["norm"]}
+    patch, _ = encode(base, new, precision="bf16")
+    before = w.clone()
+    got = apply(base, patch, in_place=True)
+    assert bits_equal(got, prepare(new, "bf16"))
+    assert torch.equal(w, before)  # the shared storage was not written

@@ -72,9 +72,10 @@ def _decode_patch(
     if entry["pos"] == "rice":
         cmap = class_map(name, entry["ctx"], ctx_state, ob, entry["e0"])
         groups = positions.read_groups(blocks[0], ob.size, chunk)
+        coded = int(groups["count"].sum(dtype=np.int64))
+        if coded != changed:
+            raise ValueError(f"positions hold {coded} changes, header says {changed}")
         classes = positions.residual_classes(groups)
-        if classes.size != changed:
-            raise ValueError(f"positions hold {classes.size} changes, header says {changed}")
     else:
         classes = np.zeros(changed, np.uint8)
     values = residuals.decode_values(entry, blocks[n_pos:], classes, changed, ob.dtype.type)
@@ -180,7 +181,8 @@ def apply(
     computed. Raises PatchError for any patch that does not fit this base.
 
     in_place: rebuild the changed elements inside the base's own tensors
-    (plain CPU tensors; others are copied as usual), so that no second copy
+    (plain CPU tensors that share memory with no other tensor of the base;
+    others are copied as usual), so that no second copy
     of the state exists; the result shares them. For a receiver whose engine
     can take new bits under it. If anything fails, every element written is
     put back before PatchError is raised: the base is then as it was.
@@ -201,6 +203,10 @@ def apply(
     # rewriting on another thread: those (one number a row) are read from a copy.
     ctx_state = _context_state(base, entries) if in_place else base
     logs: list[list] | None = [[] for _ in entries] if in_place else None
+    # Tensors sharing memory with another of the base are rebuilt as copies:
+    # a leaf is hashed as soon as its own tensor is done, which another
+    # tensor's writes must not change afterwards.
+    shared = _shared_storage(base) if in_place else set()
     # A patched tensor's working memory follows its size; a full one's its bytes.
     costs = [_entry_cost(e, base) for e in entries]
     algo = algo_of(h["result_hash"])
@@ -209,7 +215,9 @@ def apply(
         # Hashed on this thread as soon as it is rebuilt, while the other
         # threads still work (a hash of the whole state after them all was
         # a sixth of an apply, on fewer cores).
-        undo = None if logs is None else logs[i]
+        old = base.get(entries[i]["name"])
+        own = old is not None and _storage(old) not in shared
+        undo = logs[i] if logs is not None and own else None
         t = _decode_entry(entries[i], blocks[i], base, ctx_state, h["chunk_elems"], undo)
         return t, leaf_hash(t, algo, threaded=False)
 
@@ -234,6 +242,20 @@ def apply(
             _undo(logs)
         raise
     return result
+
+
+def _storage(t: torch.Tensor) -> tuple[str, int]:
+    return t.device.type, t.untyped_storage().data_ptr()
+
+
+def _shared_storage(base: State) -> set[tuple[str, int]]:
+    """The storages that more than one tensor of `base` lives in."""
+    seen: set[tuple[str, int]] = set()
+    shared: set[tuple[str, int]] = set()
+    for t in base.values():
+        key = _storage(t)
+        (shared if key in seen else seen).add(key)
+    return shared
 
 
 def _context_state(base: State, entries: list[dict]) -> dict[str, torch.Tensor]:

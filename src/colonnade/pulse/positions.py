@@ -213,6 +213,11 @@ def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
         raise ValueError("group table not in order")
     if np.any(g["invert"] > 1):
         raise ValueError("group table: invert is not 0 or 1")
+    # Before anything is sized by them: no group holds more elements than
+    # its chunk (a class of an inverted group is count + kept of them).
+    room = np.minimum(chunk, n - g["chunk"].astype(np.int64) * chunk)
+    if np.any(g["count"] == 0) or np.any(g["count"].astype(np.int64) + g["kept"] > room):
+        raise ValueError("group count out of range")
     return g
 
 
