@@ -76,7 +76,7 @@ def synced(store, v: int) -> Follower:
 
 def fork(follower: Follower) -> Follower:
     """Another follower at the same version, with its own copy of the state
-    (a follower patches its state in place)."""
+    (a follower may patch its state in place)."""
     other = copy.copy(follower)
     other.state = {k: t.clone() for k, t in follower.state.items()}
     return other

@@ -134,7 +134,12 @@ class Worker:
         self._synced_at = 0.0
         self.engine: Engine | None = None  # built once the first version's weights load
         self.prefetch = Background("fetch")  # the follower's next sync, while generating
-        self._fetched: tuple[set[str] | None, float] | None = None  # (changed keys, seconds)
+        self._fetched: float | None = None  # seconds the last fetch took, until installed
+        # The state objects the engine last loaded: a tensor a patch rewrote
+        # is a new object, so the keys to load again are those whose object
+        # differs from the engine's (whatever the follower went through since,
+        # a fetch that failed half-way included).
+        self._loaded: dict[str, torch.Tensor] = {}
         self._bytes_counted = 0
         self.pointer: Latest | None = None  # the last latest.json read: version, demand, done
         self.taken: tuple[int | None, set[int]] = (None, set())  # (version, slots found taken)
@@ -167,10 +172,9 @@ class Worker:
         self.tasks = list(self.env.tasks("train"))
         self.started = time.time()
 
-    def _load_weights(self, changed: set[str] | None = None) -> None:
+    def _load_weights(self) -> None:
         """The follower's state into the engine: the first time built, then
-        in place, the tensors in `changed` only (the state keys the last sync
-        rewrote)."""
+        in place, only the tensors that are not the objects it loaded last."""
         state, version = self.follower.state, self.follower.version
         if self.engine is None:
             self.engine = engine_for(
@@ -178,7 +182,9 @@ class Worker:
                 self.engine_kind, version, self.aliases,
             )  # fmt: skip
         else:
+            changed = {k for k, t in state.items() if self._loaded.get(k) is not t}
             refresh(self.engine, state, self.aliases, self.spec.precision, changed, version)
+        self._loaded = dict(state)
 
     def engine_label(self) -> str:
         if self.engine_kind == "mlx":
@@ -202,13 +208,10 @@ class Worker:
         Runs in the background (but for the first version) while the engine
         generates with the weights it holds; PULSE leaves the tensors it did
         not rewrite as they were (the same objects), so identity tells which
-        ones the engine must load."""
-        held = self.follower.state
+        ones the engine must load (`_load_weights`)."""
         t0 = time.perf_counter()
         if self.follower.sync(latest.version, known=latest.meta):
-            new = self.follower.state
-            changed = None if held is None else {k for k, t in new.items() if held.get(k) is not t}
-            self._fetched = (changed, time.perf_counter() - t0)
+            self._fetched = time.perf_counter() - t0
 
     def sync(self) -> None:
         """Bring the engine to the newest version latest.json named.
@@ -237,12 +240,12 @@ class Worker:
         self.prefetch.wait()  # raises what the fetch raised
         fetched, self._fetched = self._fetched, None
         if fetched is not None:
-            self._install(*fetched)
+            self._install(fetched)
 
-    def _install(self, changed: set[str] | None, apply_seconds: float) -> None:
+    def _install(self, apply_seconds: float) -> None:
         before = self.running_version
         t0 = time.perf_counter()
-        self._load_weights(changed)
+        self._load_weights()
         load = time.perf_counter() - t0
         self.pending_time["apply_seconds"] += apply_seconds
         self.pending_time["load_seconds"] += load
