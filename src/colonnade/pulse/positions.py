@@ -49,35 +49,23 @@ GROUP_DTYPE = np.dtype(
 _COUNT = np.dtype("<u4")
 
 
-def _planes(a: np.ndarray) -> bytes:
-    """A column's bytes plane by plane (all low bytes, then the next...):
-    small numbers leave whole planes of zeros, which zstd all but erases."""
-    return np.ascontiguousarray(a.view(np.uint8).reshape(a.size, a.itemsize).T).tobytes()
-
-
-def _unplanes(raw: bytes, n: int, dtype: str) -> np.ndarray:
-    size = np.dtype(dtype).itemsize
-    planes = np.frombuffer(raw, np.uint8, n * size).reshape(size, n)
-    return np.ascontiguousarray(planes.T).view(dtype).reshape(n)
-
-
 def pack_groups(g: np.ndarray) -> bytes:
     """The group table's wire form (before zstd): its row count (u32), then
     column by column: chunk as the difference from the row before, cls, k,
     invert, count, and kept for the inverted rows only; the u32 columns
-    plane by plane. A third smaller than the rows written out (zstd, on the
-    SmolLM2 patches of docs/benchmarks.md)."""
+    plane by plane (`bitcodes.byte_planes`). A third smaller than the rows
+    written out (zstd, on the SmolLM2 patches of docs/benchmarks.md)."""
     steps = np.diff(g["chunk"].astype(np.int64), prepend=0).astype(_COUNT)
     kept = g["kept"][g["invert"] != 0].astype(_COUNT)
     return b"".join(
         [
             np.array([g.size], _COUNT).tobytes(),
-            _planes(steps),
+            bitcodes.byte_planes(steps),
             g["cls"].tobytes(),
             g["k"].tobytes(),
             g["invert"].tobytes(),
-            _planes(g["count"].astype(_COUNT)),
-            _planes(kept),
+            bitcodes.byte_planes(g["count"].astype(_COUNT)),
+            bitcodes.byte_planes(kept),
         ]
     )
 
@@ -91,18 +79,18 @@ def unpack_groups(raw: bytes) -> np.ndarray:
         raise ValueError("group table has a partial row")
     g = np.zeros(n, GROUP_DTYPE)
     at = 4
-    g["chunk"] = np.cumsum(_unplanes(raw[at : at + 4 * n], n, "<u4"), dtype=np.int64)
+    g["chunk"] = np.cumsum(bitcodes.from_byte_planes(raw[at : at + 4 * n], n, 4), dtype=np.int64)
     at += 4 * n
     for name in ("cls", "k", "invert"):
         g[name] = np.frombuffer(raw, np.uint8, n, at)
         at += n
-    g["count"] = _unplanes(raw[at : at + 4 * n], n, "<u4")
+    g["count"] = bitcodes.from_byte_planes(raw[at : at + 4 * n], n, 4)
     at += 4 * n
     inverted = g["invert"] != 0
     n_inv = int(inverted.sum())
     if len(raw) != at + 4 * n_inv:
         raise ValueError("group table has the wrong length")
-    g["kept"][inverted] = _unplanes(raw[at:], n_inv, "<u4")
+    g["kept"][inverted] = bitcodes.from_byte_planes(raw[at:], n_inv, 4)
     return g
 
 
