@@ -255,7 +255,7 @@ def encode(
 
     pairs = parallel.budgeted_map(encoded, names, sizes, parallel.tensor_budget(sizes))
     results = [found for found, _ in pairs]
-    if result_hash is None:
+    if hash_new:
         leaves = {n: leaf for n, (_, leaf) in zip(names, pairs, strict=True)}
         result_hash = state_hash(new_p, hash_algo, leaves)
     stats = PatchStats(precision, base_hash=base_hash, result_hash=result_hash)
