@@ -84,12 +84,37 @@ def test_workers_are_compared_across_steps_at_the_same_lag():
     pooled = {}
     pool(pooled, 5, honest)  # trained v4: v3 rows are 1 behind
     pool(pooled, 6, liar)  # trained v5: v4 rows are 1 behind
-    assert set(pooled["a"]) == set(pooled["x"]) == {1}
+    assert set(pooled["a"]) == {(1, 3)} and set(pooled["x"]) == {(1, 4)}  # (lag, version)
     assert list(outliers(like_for_like(pooled), CFG)) == ["x"]
     # A forgery that alternates its sign per row is counted by magnitude.
     flip = {"x": {"3": _s(150, 150, 1.0), "2": _s(150, 150, -1.0)}}
     fair = {"a": {"3": _s(150, 150, 0.01), "2": _s(150, 150, 0.01)}}
     assert list(_judged(fair, flip)) == ["x"]
+
+
+def test_rows_are_judged_by_the_nearest_versions_of_their_lag():
+    # A smoke run whose policy moved slowly at first: the honest worker a's
+    # lag-1 rows of v0-v2 mismatch 0.001; mid-run, π moves 30-60× faster.
+    # Worker w's lag-1 rows of v4 (0.063) were judged against a's early
+    # rows when rows were pooled by lag alone, and an honest worker was
+    # quarantined; its peers are now a's rows nearest v4.
+    pooled = {}
+    for v in range(3):
+        pool(pooled, v + 2, {"a": {str(v): _s(300, 300, 0.001)}})
+    pool(pooled, 6, {"w": {"4": _s(600, 590, 0.063)}})
+    pool(pooled, 7, {"a": {"5": _s(300, 295, 0.05)}})
+    totals = like_for_like(pooled)
+    assert totals["w"]["ref_kl"] / 600 == pytest.approx(0.05)  # v5 is nearest, not v0-v2
+    assert outliers(totals, CFG) == {}
+    # A liar among the same rows still stands out.
+    pool(pooled, 6, {"x": {"4": _s(600, 500, 1.0)}})
+    assert list(outliers(like_for_like(pooled), CFG)) == ["x"]
+    # Peers farther than the window judge no one.
+    far = {}
+    pool(far, 2, {"a": {"0": _s(300, 300, 0.001)}})
+    pool(far, 8, {"x": {"6": _s(600, 500, 1.0)}})
+    assert like_for_like(far, window=2) == {}
+    assert list(outliers(like_for_like(far, window=6), CFG)) == ["x"]
 
 
 def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811

@@ -9,11 +9,17 @@ weights. A worker whose cumulative figure exceeds both a floor and `factor`
 decision is logged and written to the store.
 
 Mismatch grows with staleness (π has moved on from the version that made a
-batch), so workers are compared like for like: each worker's rows against
-the median of the other workers' rows of the same lag (versions between the
-one that made the batch and the one it was trained at), pooled over the run.
-A worker whose batches happened to be older than the rest is not an
-outlier; a lag no other worker sent is not judged. Pooling across steps
+batch), and how fast π moves changes over a run, so workers are compared
+like for like: each worker's row (one step's tokens of one behaviour
+version) against the median of the other workers' rows of the same lag
+(versions between the one that made the batch and the one it was trained
+at) from the nearest behaviour versions, at most `window` versions away,
+pooled over the run. A worker whose batches happened to be older than the
+rest is not an outlier; a lag no other worker sent near that version is
+not judged. Pooling by lag alone compared a late row with early ones: in
+a smoke run whose policy moved 20× faster mid-run than at its start, an
+honest worker's lag-1 rows of v4 (0.063/token) were judged against the
+other's lag-1 rows of v0–v2 (0.001) and quarantined. Pooling across steps
 matters with small steps, where one step often holds one worker's batches
 only: matching within a step judged nobody there.
 """
@@ -37,39 +43,43 @@ class QuarantineConfig:
     kl_floor: float = 0.05  # nats per token: below this no worker is an outlier
     masked_floor: float = 0.10  # share of gated tokens: likewise
     min_tokens: int = 400  # judge a worker only on this much evidence
+    window: int = 2  # versions between a row's batches and the others' it is judged by
 
 
 # What `like_for_like` sums per worker: tokens, then per-token figures × tokens.
 REFERENCED = ("tokens", "kl", "ref_kl", "masked", "ref_masked")
-POOLED = ("tokens", "kl", "masked")  # per worker and lag: tokens, figures × tokens
+POOLED = ("tokens", "kl", "masked")  # per worker, lag and version: tokens, figures × tokens
+
+Pooled = dict[str, dict[tuple[int, int], dict]]  # {worker: {(lag, behaviour version): sums}}
 
 
-def pool(pooled: dict[str, dict[int, dict]], version: int, step: dict[str, dict[str, dict]]):
+def pool(pooled: Pooled, version: int, step: dict[str, dict[str, dict]]):
     """Add one step's {worker: {behaviour version: gate stats}}, which trained
-    version − 1 into `version`, to `pooled` {worker: {lag: POOLED sums}}. Each
-    row's mismatch counts by magnitude, so a worker cannot cancel a forgery
-    of one sign by one of the other."""
+    version − 1 into `version`, to `pooled`. Each row's mismatch counts by
+    magnitude, so a worker cannot cancel a forgery of one sign by one of the
+    other."""
     for w, per_v in step.items():
         for b, s in per_v.items():
             if not s.get("tokens"):
                 continue
             kl, masked = gate_figures(s)
             t = pooled.setdefault(w, {}).setdefault(
-                version - 1 - int(b), dict.fromkeys(POOLED, 0.0)
+                (version - 1 - int(b), int(b)), dict.fromkeys(POOLED, 0.0)
             )
             t["tokens"] += s["tokens"]
             t["kl"] += kl * s["tokens"]
             t["masked"] += masked * s["tokens"]
 
 
-def like_for_like(pooled: dict[str, dict[int, dict]]) -> dict[str, dict]:
-    """{worker: its pooled figures on the lags other workers also sent, with
-    the others' median per-token figures at each lag (× its tokens) as `ref_kl`
-    and `ref_masked`}."""
+def like_for_like(pooled: Pooled, window: int = QuarantineConfig.window) -> dict[str, dict]:
+    """{worker: its pooled figures on the rows other workers have peers for,
+    with the peers' median per-token figures (× its tokens) as `ref_kl` and
+    `ref_masked`}. A row's peers: the other workers' rows of its lag from
+    the behaviour versions nearest its own, at most `window` away."""
     out: dict[str, dict] = {}
-    for w, per_lag in pooled.items():
-        for lag, t in per_lag.items():
-            others = [o[lag] for u, o in pooled.items() if u != w and lag in o]
+    for w, rows in pooled.items():
+        for (lag, b), t in rows.items():
+            others = _peers(pooled, w, lag, b, window)
             if not others:
                 continue
             n = t["tokens"]
@@ -80,6 +90,22 @@ def like_for_like(pooled: dict[str, dict[int, dict]]) -> dict[str, dict]:
             tot["ref_kl"] += statistics.median(o["kl"] / o["tokens"] for o in others) * n
             tot["ref_masked"] += statistics.median(o["masked"] / o["tokens"] for o in others) * n
     return out
+
+
+def _peers(pooled: Pooled, worker: str, lag: int, version: int, window: int) -> list[dict]:
+    """The other workers' rows of `lag` whose behaviour version is nearest
+    `version` (all those at that distance), none beyond `window`."""
+    near = [
+        (abs(b - version), t)
+        for u, rows in pooled.items()
+        if u != worker
+        for (row_lag, b), t in rows.items()
+        if row_lag == lag and abs(b - version) <= window
+    ]
+    if not near:
+        return []
+    closest = min(d for d, _ in near)
+    return [t for d, t in near if d == closest]
 
 
 def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
@@ -107,7 +133,7 @@ class Ledger:
     cfg: QuarantineConfig
     # worker -> why and when (trainer/quarantine.json)
     decisions: dict[str, QuarantineDecision] = field(default_factory=dict)
-    pooled: dict[str, dict[int, dict]] = field(default_factory=dict)  # see `pool`
+    pooled: Pooled = field(default_factory=dict)  # see `pool`
 
     def judge(self, version: int, step_by_version: dict[str, dict[str, dict]]) -> bool:
         """Add the step that made `version` ({worker: {behaviour version: gate
@@ -115,7 +141,7 @@ class Ledger:
         pool(self.pooled, version, step_by_version)
         fresh = {
             w: why
-            for w, why in outliers(like_for_like(self.pooled), self.cfg).items()
+            for w, why in outliers(like_for_like(self.pooled, self.cfg.window), self.cfg).items()
             if w not in self.decisions
         }
         for w, why in fresh.items():
