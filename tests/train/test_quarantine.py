@@ -117,6 +117,24 @@ def test_rows_are_judged_by_the_nearest_versions_of_their_lag():
     assert list(outliers(like_for_like(far, window=6), CFG)) == ["x"]
 
 
+def test_one_far_row_of_an_honest_worker_does_not_quarantine_it():
+    # Two honest workers, same versions, same steps; w drew tasks where π had
+    # moved far once (a smoke run: one row 0.2/token lifted w's pooled figure
+    # to 13× the other's). A forger's every row stands out.
+    pooled = {}
+    for v in range(1, 5):
+        far = 0.30 if v == 4 else 0.004
+        pool(pooled, v + 1, {"a": {str(v - 1): _s(100, 100, 0.005)},
+                             "w": {str(v - 1): _s(100, 95, far)}})  # fmt: skip
+    totals = like_for_like(pooled)
+    assert totals["w"]["kl"] / totals["w"]["tokens"] > 5 * 0.005  # pooled: out
+    assert outliers(totals, CFG) == {}  # 1 row of 4: not
+    for v in range(5, 8):
+        pool(pooled, v + 1, {"a": {str(v - 1): _s(100, 100, 0.005)},
+                             "x": {str(v - 1): _s(100, 90, 0.09)}})  # fmt: skip
+    assert list(outliers(like_for_like(pooled), CFG)) == ["x"]
+
+
 def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811
     from colonnade.model import load_model
 

@@ -74,7 +74,8 @@ def pool(pooled: Pooled, version: int, step: dict[str, dict[str, dict]]):
 def like_for_like(pooled: Pooled, window: int = QuarantineConfig.window) -> dict[str, dict]:
     """{worker: its pooled figures on the rows other workers have peers for,
     with the peers' median per-token figures (× its tokens) as `ref_kl` and
-    `ref_masked`}. A row's peers: the other workers' rows of its lag from
+    `ref_masked`, and `rows`: each row's per-token (kl, ref_kl, masked,
+    ref_masked)}. A row's peers: the other workers' rows of its lag from
     the behaviour versions nearest its own, at most `window` away."""
     out: dict[str, dict] = {}
     for w, rows in pooled.items():
@@ -83,12 +84,15 @@ def like_for_like(pooled: Pooled, window: int = QuarantineConfig.window) -> dict
             if not others:
                 continue
             n = t["tokens"]
-            tot = out.setdefault(w, dict.fromkeys(REFERENCED, 0.0))
+            tot = out.setdefault(w, {**dict.fromkeys(REFERENCED, 0.0), "rows": []})
+            ref_kl = statistics.median(o["kl"] / o["tokens"] for o in others)
+            ref_masked = statistics.median(o["masked"] / o["tokens"] for o in others)
             tot["tokens"] += n
             tot["kl"] += t["kl"]
             tot["masked"] += t["masked"]
-            tot["ref_kl"] += statistics.median(o["kl"] / o["tokens"] for o in others) * n
-            tot["ref_masked"] += statistics.median(o["masked"] / o["tokens"] for o in others) * n
+            tot["ref_kl"] += ref_kl * n
+            tot["ref_masked"] += ref_masked * n
+            tot["rows"].append((t["kl"] / n, ref_kl, t["masked"] / n, ref_masked))
     return out
 
 
@@ -110,7 +114,11 @@ def _peers(pooled: Pooled, worker: str, lag: int, version: int, window: int) -> 
 
 def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
     """{worker: reason} for the workers that stand far outside the others
-    (`totals`: summed `like_for_like` figures)."""
+    (`totals`: summed `like_for_like` figures): their pooled figure, and most
+    of their rows one by one. An honest worker's rows are heavy-tailed (the
+    tasks it drew may be where π moved most: one row of 0.2/token lifted a
+    smoke worker's pooled figure to 13× the other's, its weights exact);
+    a forger's every row stands out."""
     if cfg.factor <= 0:
         return {}
     out = {}
@@ -119,11 +127,23 @@ def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
         if n < cfg.min_tokens:
             continue
         kl, ref_kl, masked, ref_masked = (t[k] / n for k in REFERENCED[1:])
-        if kl > max(cfg.kl_floor, cfg.factor * ref_kl):
+        rows = t.get("rows", [])
+        if _out(kl, ref_kl, cfg.kl_floor, cfg) and _most(rows, 0, cfg.kl_floor, cfg):
             out[w] = f"mismatch KL {kl:.3f}/token against the others' {ref_kl:.3f} on like batches"
-        elif masked > max(cfg.masked_floor, cfg.factor * ref_masked):
+        elif _out(masked, ref_masked, cfg.masked_floor, cfg) and _most(
+            rows, 2, cfg.masked_floor, cfg
+        ):
             out[w] = f"gate masked {masked:.2%} against the others' {ref_masked:.2%}"
     return out
+
+
+def _out(figure: float, ref: float, floor: float, cfg: QuarantineConfig) -> bool:
+    return figure > max(floor, cfg.factor * ref)
+
+
+def _most(rows: list[tuple], i: int, floor: float, cfg: QuarantineConfig) -> bool:
+    """Whether more than half of `rows` stand out on figure `i` (against `i + 1`)."""
+    return 2 * sum(_out(r[i], r[i + 1], floor, cfg) for r in rows) > len(rows)
 
 
 @dataclass
