@@ -119,8 +119,8 @@ def test_rows_are_judged_by_the_nearest_versions_of_their_lag():
 
 def test_one_far_row_of_an_honest_worker_does_not_quarantine_it():
     # Two honest workers, same versions, same steps; w drew tasks where π had
-    # moved far once (a smoke run: one row 0.2/token lifted w's pooled figure
-    # to 13× the other's). A forger's every row stands out.
+    # moved far once (a smoke worker with exact weights stood at 0.064/token
+    # against the other's 0.005). A forger's every row stands out.
     pooled = {}
     for v in range(1, 5):
         far = 0.30 if v == 4 else 0.004

@@ -116,8 +116,9 @@ def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
     """{worker: reason} for the workers that stand far outside the others
     (`totals`: summed `like_for_like` figures): their pooled figure, and most
     of their rows one by one. An honest worker's rows are heavy-tailed (the
-    tasks it drew may be where π moved most: one row of 0.2/token lifted a
-    smoke worker's pooled figure to 13× the other's, its weights exact);
+    tasks it drew may be where π moved most: a smoke worker whose weights
+    were exact stood at 0.064/token against the other's 0.005, one of its
+    episodes 0.51/token from the next version's log-probs);
     a forger's every row stands out."""
     if cfg.factor <= 0:
         return {}
