@@ -14,7 +14,8 @@ versions are encoded side by side as:
 
 with the order-0 entropy bound (n·H(p) per tensor for positions plus the
 empirical entropy of the XOR residual's byte planes), and the time to encode
-and apply ours as GB/s of bf16 state, beside the limit measured in the same
+and apply ours as GB/s of bf16 state (apply both in place, as followers do,
+and into a new state), beside the limit measured in the same
 run (one numpy read of old and new, one BLAKE3 pass over the state) and
 against writing and reading the full checkpoint. Every patch is applied back
 and compared bit for bit; a mismatch aborts the run.
@@ -43,7 +44,15 @@ TARGETS = {  # name: (description, key, limit, sense: "max" ≤ limit / "min" �
     "vs_bound": ("ours ≤ 0.9× the order-0 entropy bound", "ours_over_bound", 0.9, "max", None),
     "vs_grail": ("ours ≤ 0.4× grail-style (d)", "ours_over_grail", 0.4, "max", None),
     "encode": ("encode ≥ 1 GB/s of bf16 state", "encode_gbps", 1.0, "min", SPEED_ROWS),
-    "apply": ("apply ≥ 1 GB/s of bf16 state", "apply_gbps", 1.0, "min", SPEED_ROWS),
+    # Followers apply in place (protocol.Follower): that is the receiver's
+    # apply; the copying one is reported beside it.
+    "apply": (
+        "apply in place ≥ 1 GB/s of bf16 state",
+        "apply_inplace_gbps",
+        1.0,
+        "min",
+        SPEED_ROWS,
+    ),
     "memory": ("peak memory ≤ 2.5× the bf16 model", "peak_mem_over_bf16", 2.5, "max", None),
 }
 
@@ -469,7 +478,7 @@ COLUMNS = [  # (header, key, format)
     ("enc s", "encode_s", "{:.3f}"),
     ("apply s", "apply_s", "{:.3f}"),
     ("enc GB/s", "encode_gbps", "{:.2f}"),
-    ("apply GB/s", "apply_gbps", "{:.2f}"),
+    ("apply copying GB/s", "apply_gbps", "{:.2f}"),
     ("apply in place GB/s", "apply_inplace_gbps", "{:.2f}"),
     ("hash share enc", "encode_hash_share", "{:.0%}"),
     ("hash share apply", "apply_hash_share", "{:.0%}"),
