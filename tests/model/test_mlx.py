@@ -141,3 +141,41 @@ def test_unsupported_architecture_is_refused_in_one_line(mlx_ready):
     with pytest.raises(UnsupportedArchitecture, match=r"'gpt2'.*use --engine torch") as e:
         MlxModel(GPT2Config(n_layer=1), {}, "int8")
     assert "\n" not in str(e.value)
+
+
+def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_ready, tmp_path):
+    # Workers' followers rebuild each version inside the state the MLX model
+    # loaded from; it must see every tensor a patch rewrote (new objects over
+    # the same memory) and hold copies of its own (mx.array copies).
+    from colonnade.model.int8 import publishable_state
+    from colonnade.protocol import Follower
+    from colonnade.protocol.weights import Publisher
+    from colonnade.rollout.mlx_engine import MlxModel, dequantized
+    from colonnade.store import LocalStore
+
+    model, _ = arch_model(ARCHS[0])
+    store = LocalStore(tmp_path)
+    pub = Publisher(store, "int8", anchor_every=10)
+    state = publishable_state(model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        pub.publish(state)
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    aliases = tied_aliases(model)
+    follower = Follower(store, anchor_every=10)
+    follower.sync(0)
+    mm = MlxModel(model.config, aliases, "int8")
+    mm.load(follower.state)
+    at_v0 = {n: _bits(dequantized(mm.linear(n))).copy() for n in mm.linear_names}
+    follower.sync(2)
+    assert mm.load(follower.state) > 0
+    copying = Follower(store, 10, in_place=False)
+    copying.sync(2)
+    fresh = MlxModel(model.config, aliases, "int8")
+    fresh.load(copying.state)
+    moved = 0
+    for n in mm.linear_names:
+        got = _bits(dequantized(mm.linear(n)))
+        assert np.array_equal(got, _bits(dequantized(fresh.linear(n)))), n
+        moved += not np.array_equal(got, at_v0[n])
+    assert moved > 0
