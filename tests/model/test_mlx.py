@@ -168,6 +168,8 @@ def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_
     mm.load(follower.state)
     at_v0 = {n: _bits(dequantized(mm.linear(n))).copy() for n in mm.linear_names}
     follower.sync(2)
+    for n in mm.linear_names:  # its own copies: the follower's rewrite did not reach it
+        assert np.array_equal(_bits(dequantized(mm.linear(n))), at_v0[n]), n
     assert mm.load(follower.state) > 0
     copying = Follower(store, 10, in_place=False)
     copying.sync(2)

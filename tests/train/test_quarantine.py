@@ -13,6 +13,7 @@ from test_samples_and_step import (  # noqa: F401 - sqa fixture below
 from colonnade.protocol import GroupRecord
 from colonnade.protocol.metrics import add_gate_stats
 from colonnade.train.quarantine import QuarantineConfig, like_for_like, outliers, pool
+from colonnade.train.quarantine import _weighted_median as _wm
 from colonnade.train.step import StepConfig, policy_logprobs, train_step
 
 CFG = QuarantineConfig(factor=5.0, min_tokens=100)
@@ -117,10 +118,10 @@ def test_rows_are_judged_by_the_nearest_versions_of_their_lag():
     assert list(outliers(like_for_like(far, window=6), CFG)) == ["x"]
 
 
-def test_one_far_row_of_an_honest_worker_does_not_quarantine_it():
+def test_a_worker_is_judged_without_its_worst_step():
     # Two honest workers, same versions, same steps; w drew tasks where π had
-    # moved far once (a smoke worker with exact weights stood at 0.064/token
-    # against the other's 0.005). A forger's every row stands out.
+    # moved far in one step (a smoke worker with exact weights stood at
+    # 0.064/token against the other's 0.005).
     pooled = {}
     for v in range(1, 5):
         far = 0.30 if v == 4 else 0.004
@@ -128,11 +129,39 @@ def test_one_far_row_of_an_honest_worker_does_not_quarantine_it():
                              "w": {str(v - 1): _s(100, 95, far)}})  # fmt: skip
     totals = like_for_like(pooled)
     assert totals["w"]["kl"] / totals["w"]["tokens"] > 5 * 0.005  # pooled: out
-    assert outliers(totals, CFG) == {}  # 1 row of 4: not
-    for v in range(5, 8):
+    assert sorted(totals["w"]["steps"]) == [2, 3, 4, 5]
+    assert outliers(totals, CFG) == {}  # its worst step aside: not
+    # A forger that forges every other step stands out all the same...
+    for v in range(5, 11):
+        forged = 1.0 if v % 2 else 0.005
         pool(pooled, v + 1, {"a": {str(v - 1): _s(100, 100, 0.005)},
-                             "x": {str(v - 1): _s(100, 90, 0.09)}})  # fmt: skip
-    assert list(outliers(like_for_like(pooled), CFG)) == ["x"]
+                             "x": {str(v - 1): _s(100, 90, forged)}})  # fmt: skip
+    why = outliers(like_for_like(pooled), CFG)
+    assert list(why) == ["x"] and "worst step aside" in why["x"]
+    # ...as does one with fewer steps than trim_from, judged whole.
+    few = {}
+    for v in (1, 2):
+        pool(few, v + 1, {"a": {str(v - 1): _s(300, 300, 0.005)},
+                          "x": {str(v - 1): _s(300, 290, 1.0)}})  # fmt: skip
+    assert list(outliers(like_for_like(few), CFG)) == ["x"]
+    # What is not caught: a forger forging in one step of three or more.
+    once = {}
+    for v in (1, 2, 3):
+        pool(once, v + 1, {"a": {str(v - 1): _s(300, 300, 0.005)},
+                           "x": {str(v - 1): _s(300, 290, 1.0 if v == 2 else 0.005)}})  # fmt: skip
+    assert outliers(like_for_like(once), CFG) == {}
+
+
+def test_a_rows_reference_is_the_token_weighted_median_of_its_peers():
+    # A peer row of 5 tokens near 0 does not set the reference; a forger
+    # among the peers holding under half their tokens does not move it.
+    pooled = {}
+    pool(pooled, 4, {"w": {"3": _s(300, 300, 0.02)}, "tiny": {"3": _s(5, 5, 0.0001)},
+                     "a": {"3": _s(300, 300, 0.02)}, "x": {"3": _s(200, 150, 2.0)}})  # fmt: skip
+    totals = like_for_like(pooled)
+    assert totals["w"]["ref_kl"] / 300 == pytest.approx(0.02)  # peers: tiny, a, x
+    assert list(outliers(totals, CFG)) == ["x"]
+    assert _wm([(1.0, 1), (3.0, 1)]) == 2.0 and _wm([(1.0, 1), (3.0, 2)]) == 3.0
 
 
 def test_forged_logprobs_stand_out_in_the_step(tiny_dir, sqa):  # noqa: F811

@@ -4,30 +4,37 @@ Rewards are recomputed, so a worker cannot lie about them; what it can
 forge is the behaviour log-probs μ. Forged μ shows up as mismatch against
 the trainer's π: a mismatch KL (|mean of log μ − log π| per token) or a
 gate rate far above the rest of the fleet, whose workers run the same int8
-weights. A worker whose cumulative figure exceeds both a floor and `factor`
+weights. A worker whose pooled figure exceeds both a floor and `factor`
 × the others' is quarantined: its batches are refused from then on, and the
 decision is logged and written to the store.
 
 Mismatch grows with staleness (π has moved on from the version that made a
 batch), and how fast π moves changes over a run, so workers are compared
 like for like: each worker's row (one step's tokens of one behaviour
-version) against the median of the other workers' rows of the same lag
-(versions between the one that made the batch and the one it was trained
-at) from the nearest behaviour versions, at most `window` versions away,
-pooled over the run. A worker whose batches happened to be older than the
-rest is not an outlier; a lag no other worker sent near that version is
-not judged. Pooling by lag alone compared a late row with early ones: in
-a smoke run whose policy moved 20× faster mid-run than at its start, an
-honest worker's lag-1 rows of v4 (0.063/token) were judged against the
-other's lag-1 rows of v0–v2 (0.001) and quarantined. Pooling across steps
-matters with small steps, where one step often holds one worker's batches
-only: matching within a step judged nobody there.
+version) against the other workers' rows of the same lag (versions between
+the one that made the batch and the one it was trained at) from the nearest
+behaviour versions, at most `window` versions away (their token-weighted
+median), pooled over the run. A worker whose batches happened to be older
+than the rest is not an outlier; a lag no other worker sent near that
+version is not judged. Pooling by lag alone compared a late row with early
+ones: in a smoke run whose policy moved 20× faster mid-run than at its
+start, an honest worker's lag-1 rows of v4 (0.063/token) were judged
+against the other's lag-1 rows of v0–v2 (0.001) and quarantined. Pooling
+across steps matters with small steps, where one step often holds one
+worker's batches only: matching within a step judged nobody there.
+
+An honest worker's figures are heavy-tailed by step: the tasks it drew may
+be where π moved most in that step (a smoke worker whose weights were exact
+stood at 0.064/token against the other's 0.005, one of its episodes
+0.51/token from the next version's log-probs). So a worker with rows in
+`trim_from` steps or more is judged without its worst step. A forger must
+then forge in at most one step to go unseen, where one step's worth of its
+tokens is all it can move.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +51,7 @@ class QuarantineConfig:
     masked_floor: float = 0.10  # share of gated tokens: likewise
     min_tokens: int = 400  # judge a worker only on this much evidence
     window: int = 2  # versions between a row's batches and the others' it is judged by
+    trim_from: int = 3  # steps with rows before a worker is judged without its worst one
 
 
 # What `like_for_like` sums per worker: tokens, then per-token figures × tokens.
@@ -73,78 +81,110 @@ def pool(pooled: Pooled, version: int, step: dict[str, dict[str, dict]]):
 
 def like_for_like(pooled: Pooled, window: int = QuarantineConfig.window) -> dict[str, dict]:
     """{worker: its pooled figures on the rows other workers have peers for,
-    with the peers' median per-token figures (× its tokens) as `ref_kl` and
-    `ref_masked`, and `rows`: each row's per-token (kl, ref_kl, masked,
-    ref_masked)}. A row's peers: the other workers' rows of its lag from
-    the behaviour versions nearest its own, at most `window` away."""
+    with the peers' figures (× its tokens) as `ref_kl` and `ref_masked`, and
+    the same sums per training step under `steps` ({version trained into:
+    sums})}. A row's peers: the other workers' rows of its lag from the
+    behaviour versions nearest its own, at most `window` away; their
+    token-weighted median is its reference (a tiny row sets nothing, and a
+    forger among the peers holding under half their tokens moves nothing)."""
+    index = _by_lag(pooled)
     out: dict[str, dict] = {}
     for w, rows in pooled.items():
         for (lag, b), t in rows.items():
-            others = _peers(pooled, w, lag, b, window)
-            if not others:
+            peers = _peers(index[lag], w, b, window)
+            if not peers:
                 continue
             n = t["tokens"]
-            tot = out.setdefault(w, {**dict.fromkeys(REFERENCED, 0.0), "rows": []})
-            ref_kl = statistics.median(o["kl"] / o["tokens"] for o in others)
-            ref_masked = statistics.median(o["masked"] / o["tokens"] for o in others)
-            tot["tokens"] += n
-            tot["kl"] += t["kl"]
-            tot["masked"] += t["masked"]
-            tot["ref_kl"] += ref_kl * n
-            tot["ref_masked"] += ref_masked * n
-            tot["rows"].append((t["kl"] / n, ref_kl, t["masked"] / n, ref_masked))
+            ref_kl = _weighted_median([(o["kl"] / o["tokens"], o["tokens"]) for o in peers])
+            ref_masked = _weighted_median([(o["masked"] / o["tokens"], o["tokens"]) for o in peers])
+            tot = out.setdefault(w, {**dict.fromkeys(REFERENCED, 0.0), "steps": {}})
+            per_step = tot["steps"].setdefault(b + lag + 1, dict.fromkeys(REFERENCED, 0.0))
+            for sums in (tot, per_step):
+                sums["tokens"] += n
+                sums["kl"] += t["kl"]
+                sums["masked"] += t["masked"]
+                sums["ref_kl"] += ref_kl * n
+                sums["ref_masked"] += ref_masked * n
     return out
 
 
-def _peers(pooled: Pooled, worker: str, lag: int, version: int, window: int) -> list[dict]:
-    """The other workers' rows of `lag` whose behaviour version is nearest
-    `version` (all those at that distance), none beyond `window`."""
-    near = [
-        (abs(b - version), t)
-        for u, rows in pooled.items()
-        if u != worker
-        for (row_lag, b), t in rows.items()
-        if row_lag == lag and abs(b - version) <= window
-    ]
-    if not near:
-        return []
-    closest = min(d for d, _ in near)
-    return [t for d, t in near if d == closest]
+def _by_lag(pooled: Pooled) -> dict[int, dict[int, list[tuple[str, dict]]]]:
+    """{lag: {behaviour version: [(worker, row)]}}: peers found by lookup, not by
+    scanning every row of every worker for every row."""
+    index: dict[int, dict[int, list[tuple[str, dict]]]] = {}
+    for w, rows in pooled.items():
+        for (lag, b), t in rows.items():
+            index.setdefault(lag, {}).setdefault(b, []).append((w, t))
+    return index
+
+
+def _peers(by_version: dict[int, list], worker: str, version: int, window: int) -> list[dict]:
+    """The other workers' rows (of one lag) whose behaviour version is nearest
+    `version` (those on both sides at that distance), none beyond `window`."""
+    for d in range(window + 1):
+        found = [
+            t for v in {version - d, version + d} for u, t in by_version.get(v, ()) if u != worker
+        ]
+        if found:
+            return found
+    return []
+
+
+def _weighted_median(pairs: list[tuple[float, float]]) -> float:
+    """The median of values weighted by their tokens (the mean of the two
+    middle values where the weight splits exactly between them)."""
+    pairs = sorted(pairs)
+    half = sum(w for _, w in pairs) / 2
+    seen = 0.0
+    for i, (value, weight) in enumerate(pairs):
+        seen += weight
+        if seen > half:
+            return value
+        if seen == half:
+            return (value + pairs[i + 1][0]) / 2
+    return pairs[-1][0]
 
 
 def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
     """{worker: reason} for the workers that stand far outside the others
-    (`totals`: summed `like_for_like` figures): their pooled figure, and most
-    of their rows one by one. An honest worker's rows are heavy-tailed (the
-    tasks it drew may be where π moved most: a smoke worker whose weights
-    were exact stood at 0.064/token against the other's 0.005, one of its
-    episodes 0.51/token from the next version's log-probs);
-    a forger's every row stands out."""
+    (`totals`: summed `like_for_like` figures), each judged without its worst
+    step once it has rows in `cfg.trim_from` steps (see the module's notes)."""
     if cfg.factor <= 0:
         return {}
     out = {}
     for w, t in totals.items():
-        n = t["tokens"]
-        if n < cfg.min_tokens:
-            continue
-        kl, ref_kl, masked, ref_masked = (t[k] / n for k in REFERENCED[1:])
-        rows = t.get("rows", [])
-        if _out(kl, ref_kl, cfg.kl_floor, cfg) and _most(rows, 0, cfg.kl_floor, cfg):
-            out[w] = f"mismatch KL {kl:.3f}/token against the others' {ref_kl:.3f} on like batches"
-        elif _out(masked, ref_masked, cfg.masked_floor, cfg) and _most(
-            rows, 2, cfg.masked_floor, cfg
+        for fig, ref, floor in (
+            ("kl", "ref_kl", cfg.kl_floor),
+            ("masked", "ref_masked", cfg.masked_floor),
         ):
-            out[w] = f"gate masked {masked:.2%} against the others' {ref_masked:.2%}"
+            n, figure, reference, trimmed = _judged(t, fig, ref, cfg.trim_from)
+            if n < cfg.min_tokens or figure <= max(floor, cfg.factor * reference):
+                continue
+            aside = ", its worst step aside" if trimmed else ""
+            if fig == "kl":
+                out[w] = (
+                    f"mismatch KL {figure:.3f}/token against the others' {reference:.3f} "
+                    f"on like batches{aside}"
+                )
+            else:
+                out[w] = f"gate masked {figure:.2%} against the others' {reference:.2%}{aside}"
+            break
     return out
 
 
-def _out(figure: float, ref: float, floor: float, cfg: QuarantineConfig) -> bool:
-    return figure > max(floor, cfg.factor * ref)
-
-
-def _most(rows: list[tuple], i: int, floor: float, cfg: QuarantineConfig) -> bool:
-    """Whether more than half of `rows` stand out on figure `i` (against `i + 1`)."""
-    return 2 * sum(_out(r[i], r[i + 1], floor, cfg) for r in rows) > len(rows)
+def _judged(t: dict, fig: str, ref: str, trim_from: int) -> tuple[float, float, float, bool]:
+    """(tokens, per-token figure, per-token reference, whether a step was set
+    aside) of a worker's `like_for_like` sums, without the step that stands
+    out most on `fig` once it has rows in `trim_from` steps."""
+    n, f, r = t["tokens"], t[fig], t[ref]
+    steps = t.get("steps", {})
+    trimmed = len(steps) >= trim_from
+    if trimmed:
+        worst = max(steps.values(), key=lambda s: s[fig] - s[ref])
+        n, f, r = n - worst["tokens"], f - worst[fig], r - worst[ref]
+    if n <= 0:
+        return 0.0, 0.0, 0.0, trimmed
+    return n, f / n, r / n, trimmed
 
 
 @dataclass

@@ -338,6 +338,8 @@ class Trainer:
         if latest is not None:
             follower = Follower(self.store, self.spec.anchor_every)
             follower.sync(latest)
+            # The publisher takes the follower's tensors as they are: this
+            # follower never syncs again (it would rebuild them in place).
             self.publisher.adopt(latest, follower.state, follower.state_hash)
         if latest is None or latest < ckpt:
             # The checkpoint's own version never got published (a crash while
