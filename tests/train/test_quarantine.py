@@ -118,7 +118,7 @@ def test_rows_are_judged_by_the_nearest_versions_of_their_lag():
     assert list(outliers(like_for_like(far, window=6), CFG)) == ["x"]
 
 
-def test_a_worker_is_judged_without_its_worst_step():
+def test_a_worker_is_judged_without_its_worst_third_of_steps():
     # Two honest workers, same versions, same steps; w drew tasks where π had
     # moved far in one step (a smoke worker with exact weights stood at
     # 0.064/token against the other's 0.005).
@@ -137,14 +137,21 @@ def test_a_worker_is_judged_without_its_worst_step():
         pool(pooled, v + 1, {"a": {str(v - 1): _s(100, 100, 0.005)},
                              "x": {str(v - 1): _s(100, 90, forged)}})  # fmt: skip
     why = outliers(like_for_like(pooled), CFG)
-    assert list(why) == ["x"] and "worst step aside" in why["x"]
+    assert list(why) == ["x"] and "worst 2 of 6 steps aside" in why["x"]
     # ...as does one with fewer steps than trim_from, judged whole.
     few = {}
     for v in (1, 2):
         pool(few, v + 1, {"a": {str(v - 1): _s(300, 300, 0.005)},
                           "x": {str(v - 1): _s(300, 290, 1.0)}})  # fmt: skip
     assert list(outliers(like_for_like(few), CFG)) == ["x"]
-    # What is not caught: a forger forging in one step of three or more.
+    # The smoke run that showed it: w alone in two steps where π jumped
+    # (0.27 and 1.33/token), 0.0002-0.0003 in its four others.
+    spiky = {}
+    for v, kl in zip(range(1, 7), (0.0003, 0.0003, 0.0002, 0.0002, 0.27, 1.33), strict=True):
+        pool(spiky, v + 1, {"a": {str(v - 1): _s(150, 150, 0.001)},
+                            "w": {str(v - 1): _s(300, 300, kl)}})  # fmt: skip
+    assert outliers(like_for_like(spiky), CFG) == {}
+    # What is not caught: a forger forging in a third of its steps or fewer.
     once = {}
     for v in (1, 2, 3):
         pool(once, v + 1, {"a": {str(v - 1): _s(300, 300, 0.005)},

@@ -23,13 +23,17 @@ against the other's lag-1 rows of v0–v2 (0.001) and quarantined. Pooling
 across steps matters with small steps, where one step often holds one
 worker's batches only: matching within a step judged nobody there.
 
-An honest worker's figures are heavy-tailed by step: the tasks it drew may
+An honest worker's figures are heavy-tailed by step. The tasks it drew may
 be where π moved most in that step (a smoke worker whose weights were exact
 stood at 0.064/token against the other's 0.005, one of its episodes
-0.51/token from the next version's log-probs). So a worker with rows in
-`trim_from` steps or more is judged without its worst step. A forger must
-then forge in at most one step to go unseen, where one step's worth of its
-tokens is all it can move.
+0.51/token from the next version's log-probs), and a step that only one
+worker's batches fed has no peer sharing its π: a jump of π there shows as
+that worker's mismatch alone (another smoke worker, alone in two steps,
+stood at 0.27 and 1.33/token there and at 0.0002–0.0003 in its four other
+steps). So a worker is judged without its
+worst third of steps (`trim_share`, rounded down: none below 3 steps). A
+forger that forges in at most a third of its steps goes unseen, which
+bounds what it can move (and the gate and clip still apply).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class QuarantineConfig:
     masked_floor: float = 0.10  # share of gated tokens: likewise
     min_tokens: int = 400  # judge a worker only on this much evidence
     window: int = 2  # versions between a row's batches and the others' it is judged by
-    trim_from: int = 3  # steps with rows before a worker is judged without its worst one
+    trim_share: float = 1 / 3  # of a worker's steps, its worst, set aside when judging it
 
 
 # What `like_for_like` sums per worker: tokens, then per-token figures × tokens.
@@ -147,8 +151,8 @@ def _weighted_median(pairs: list[tuple[float, float]]) -> float:
 
 def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
     """{worker: reason} for the workers that stand far outside the others
-    (`totals`: summed `like_for_like` figures), each judged without its worst
-    step once it has rows in `cfg.trim_from` steps (see the module's notes)."""
+    (`totals`: summed `like_for_like` figures), each judged without its
+    worst `cfg.trim_share` of steps (see the module's notes)."""
     if cfg.factor <= 0:
         return {}
     out = {}
@@ -157,10 +161,10 @@ def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
             ("kl", "ref_kl", cfg.kl_floor),
             ("masked", "ref_masked", cfg.masked_floor),
         ):
-            n, figure, reference, trimmed = _judged(t, fig, ref, cfg.trim_from)
+            n, figure, reference, trimmed = _judged(t, fig, ref, cfg.trim_share)
             if n < cfg.min_tokens or figure <= max(floor, cfg.factor * reference):
                 continue
-            aside = ", its worst step aside" if trimmed else ""
+            aside = f", its worst {trimmed} of {len(t['steps'])} steps aside" if trimmed else ""
             if fig == "kl":
                 out[w] = (
                     f"mismatch KL {figure:.3f}/token against the others' {reference:.3f} "
@@ -172,15 +176,14 @@ def outliers(totals: dict[str, dict], cfg: QuarantineConfig) -> dict[str, str]:
     return out
 
 
-def _judged(t: dict, fig: str, ref: str, trim_from: int) -> tuple[float, float, float, bool]:
-    """(tokens, per-token figure, per-token reference, whether a step was set
-    aside) of a worker's `like_for_like` sums, without the step that stands
-    out most on `fig` once it has rows in `trim_from` steps."""
+def _judged(t: dict, fig: str, ref: str, share: float) -> tuple[float, float, float, int]:
+    """(tokens, per-token figure, per-token reference, steps set aside) of a
+    worker's `like_for_like` sums, without the `share` of its steps (rounded
+    down) that stand out most on `fig`."""
     n, f, r = t["tokens"], t[fig], t[ref]
-    steps = t.get("steps", {})
-    trimmed = len(steps) >= trim_from
-    if trimmed:
-        worst = max(steps.values(), key=lambda s: s[fig] - s[ref])
+    steps = sorted(t.get("steps", {}).values(), key=lambda s: s[fig] - s[ref], reverse=True)
+    trimmed = int(len(steps) * share + 1e-9)
+    for worst in steps[:trimmed]:
         n, f, r = n - worst["tokens"], f - worst[fig], r - worst[ref]
     if n <= 0:
         return 0.0, 0.0, 0.0, trimmed
