@@ -310,11 +310,9 @@ class Wanted(NamedTuple):
     @classmethod
     def of(cls, group_cls: list[int], ranks: list[np.ndarray]) -> Wanted:
         """From each class's ranks."""
-        per = np.zeros(N_CLASSES, np.int64)
-        for c, r in zip(group_cls, ranks, strict=True):
-            per[c] = r.size
+        counts = np.array([r.size for r in ranks], np.int64)
         want = np.concatenate(ranks).astype(np.int64) if ranks else np.zeros(0, np.int64)
-        return cls(np.concatenate(([0], np.cumsum(per))), want)
+        return cls.flat(np.array(group_cls, np.int64), counts, want)
 
     @classmethod
     def flat(cls, group_cls: np.ndarray, counts: np.ndarray, want: np.ndarray) -> Wanted:

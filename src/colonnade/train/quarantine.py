@@ -181,7 +181,7 @@ def _judged(t: dict, fig: str, ref: str, share: float) -> tuple[float, float, fl
     worker's `like_for_like` sums, without the `share` of its steps (rounded
     down) that stand out most on `fig`."""
     n, f, r = t["tokens"], t[fig], t[ref]
-    steps = sorted(t.get("steps", {}).values(), key=lambda s: s[fig] - s[ref], reverse=True)
+    steps = sorted(t["steps"].values(), key=lambda s: s[fig] - s[ref], reverse=True)
     trimmed = int(len(steps) * share + 1e-9)
     for worst in steps[:trimmed]:
         n, f, r = n - worst["tokens"], f - worst[fig], r - worst[ref]
