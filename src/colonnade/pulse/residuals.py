@@ -90,14 +90,21 @@ class ResidualParts:
 
         With the compiled range coder, the key delta in `rc` wins on every
         optimizer step we measured; XOR planes stay as the fallback for changes
-        that are not small moves (new random values, flipped bits). Without it,
-        the zstd layouts of both transforms compete.
+        that are not small moves (new random values, flipped bits), and are
+        only tried where `rc` spends over half the raw bytes: on the SmolLM2
+        steps of docs/benchmarks.md they won only for tensors of 1 to 3
+        changes (the range coder's flush), at 5 to 17 bytes a value, while
+        trying them everywhere was a twentieth of an encode. Without the
+        compiled coder, the zstd layouts of both transforms compete.
         """
         xor, delta = self._xor[: self.size], self._delta[: self.size]
-        yield "xor", "planes", [_z(bitcodes.byte_planes(xor))]
         if rangecoder.COMPILED:
-            yield "delta", "rc", _rc(delta, classes)
+            rc = _rc(delta, classes)
+            if 2 * sum(map(len, rc)) > xor.nbytes:
+                yield "xor", "planes", [_z(bitcodes.byte_planes(xor))]
+            yield "delta", "rc", rc
             return
+        yield "xor", "planes", [_z(bitcodes.byte_planes(xor))]
         yield "delta", "planes", [_z(bitcodes.byte_planes(delta))]
         yield "delta", "sym2", _sym2(delta)
         yield "xor", "sym2", _sym2(xor)
