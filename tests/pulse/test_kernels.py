@@ -124,7 +124,9 @@ def test_range_coder_round_trip_compiled_and_pure(n, seed, spread):
     assert np.array_equal(rangecoder.decode_values(data, classes), np.minimum(values, 16))
     # The uncompiled source is the fallback decoder: it must read the same bytes.
     out = np.empty(n, np.uint64)
-    used = rangecoder._decode_values(np.frombuffer(data, np.uint8), classes.astype(np.uint8), out)
+    used = rangecoder._decode_values(
+        np.frombuffer(data, np.uint8), classes.astype(np.uint8), out, rangecoder._RECIP
+    )
     assert used >= 0 and np.array_equal(out, np.minimum(values, 16))
 
 
@@ -144,6 +146,17 @@ def test_range_coder_approaches_entropy():
     assert bits < 1.02 * entropy
 
 
+def test_range_coder_reciprocals_divide_exactly():
+    # Every count pair the coder can hold: n0 + n1 <= _LIMIT.
+    from colonnade.pulse import rangecoder as rc
+
+    n1 = np.arange(rc._LIMIT + 1, dtype=np.int64)
+    for n0 in range(rc._LIMIT + 1):
+        m = n1[: rc._LIMIT + 1 - n0]
+        num, den = (2 * n0 + 1) << rc._BITS, 2 * (n0 + m) + 2
+        assert np.array_equal((num * rc._RECIP[den]) >> rc._SHIFT, num // den), n0
+
+
 def test_range_coder_rejects_truncation():
     from colonnade.pulse import rangecoder
 
@@ -160,7 +173,8 @@ def test_range_coder_never_writes_past_its_buffer():
     values = np.arange(1, 2000, dtype=np.uint16) % 16 + 1
     classes = np.zeros(values.size, np.uint8)
     small = np.zeros(8, np.uint8)
-    assert rangecoder._ENC_V(values, classes, small) == -1  # reports instead of overrunning
+    # reports instead of overrunning
+    assert rangecoder._ENC_V(values, classes, small, rangecoder._RECIP) == -1
     data = rangecoder.encode_values(values, classes)
     assert np.array_equal(rangecoder.decode_values(data, classes), values)
 
