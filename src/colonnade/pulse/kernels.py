@@ -148,7 +148,7 @@ def _build_numba():
                 delta[p] = (~(d << 1)) & mask if d & top else (d << 1) & mask
         return order, ranks, counts, per_class, xor, delta
 
-    # The inverse passes keep, per class, how many of its elements are still
+    # The inverse pass keeps, per class, how many of its elements are still
     # to go by before its next wanted rank (`ahead`; FAR: none wanted): an
     # element is wanted where its class's count is 0, and otherwise only
     # that count goes down. No running class sizes, and one load and one
@@ -163,54 +163,87 @@ def _build_numba():
                 ahead[c] = want[want_start[c]]
         return ahead
 
+    # The element loop only finds the wanted elements (the rebuild of the few
+    # found runs after it): with the rebuild inside, the loop's state spilled
+    # out of the registers and each element paid five more loads from the
+    # stack (a fifth of an apply, docs/benchmarks.md). Written out per class
+    # mode, and for the copying pass with the copy inside, like class_ranks.
     @numba.njit(cache=True, nogil=True)
-    def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
+    def _find(n, bits, out, copy, mode, lut, shift, arr, want_start, want):  # pragma: no cover
         # want: every class's sorted ranks back to back, class c's from
-        # want_start[c] to want_start[c+1]; returns their element indices.
+        # want_start[c] to want_start[c+1]; returns their element indices
+        # (class-major) and whether every rank was found. With `copy`, out
+        # gets every element of bits as it goes by.
         ptr = want_start[:N_CLASSES].copy()
         ahead = _ahead(want_start, want)
-        out = np.empty(want.size, np.int32)
-        for i in range(n):
-            c = lut[bits[i] >> shift] if mode == MODE_LUT else arr[i]
-            a = ahead[c]
-            if a == 0:
+        loc = np.empty(want.size, np.int32)
+        if mode == MODE_LUT and copy:
+            for i in range(n):
+                b = bits[i]
+                out[i] = b
+                c = lut[b >> shift]
+                a = ahead[c]
+                if a != 0:
+                    ahead[c] = a - 1
+                    continue
                 p = ptr[c]
-                out[p] = i
+                loc[p] = i
                 p += 1
                 ptr[c] = p
                 ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
-            else:
-                ahead[c] = a - 1
+        elif mode == MODE_LUT:
+            for i in range(n):
+                c = lut[bits[i] >> shift]
+                a = ahead[c]
+                if a != 0:
+                    ahead[c] = a - 1
+                    continue
+                p = ptr[c]
+                loc[p] = i
+                p += 1
+                ptr[c] = p
+                ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
+        else:
+            if copy:
+                out[:n] = bits[:n]
+            for i in range(n):
+                c = arr[i]
+                a = ahead[c]
+                if a != 0:
+                    ahead[c] = a - 1
+                    continue
+                p = ptr[c]
+                loc[p] = i
+                p += 1
+                ptr[c] = p
+                ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
         ok = True
         for c in range(N_CLASSES):
             ok = ok and ptr[c] == want_start[c + 1]
-        return out, ok
+        return loc, ok
+
+    @numba.njit(cache=True, nogil=True)
+    def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
+        return _find(n, bits, bits, False, mode, lut, shift, arr, want_start, want)
 
     @numba.njit(cache=True, nogil=True)
     def scatter_rebuild(
         n, bits, out, copy, mode, lut, shift, arr, want_start, want, values, res, key, width, before
     ):  # pragma: no cover - compiled
-        # scatter, and at each element found its new bits written to out
-        # (the chunk's destination: its own memory in place, else a copy
-        # that gets every element as it goes by: one read of the chunk)
-        # from its residual (residuals.rebuild, in int64 on keys of
-        # `width` <= 32 bits), its old bits kept in `before`.
-        ptr = want_start[:N_CLASSES].copy()
-        ahead = _ahead(want_start, want)
-        loc = np.empty(want.size, np.int32)
+        # _find, then each element found gets its new bits in out (the
+        # chunk's destination: its own memory in place, else a copy that
+        # _find filled) from its residual (residuals.rebuild, in int64 on
+        # keys of `width` <= 32 bits), its old bits kept in `before`. Nothing
+        # is written unless every rank was found, so a chunk that fails in
+        # place leaves its elements as they were.
+        loc, ok = _find(n, bits, out, copy, mode, lut, shift, arr, want_start, want)
+        if not ok:
+            return loc, ok
         mask = (1 << width) - 1
         top = 1 << (width - 1)
-        for i in range(n):
+        for p in range(want.size):
+            i = loc[p]
             b = bits[i]
-            if copy:
-                out[i] = b
-            c = lut[b >> shift] if mode == MODE_LUT else arr[i]
-            a = ahead[c]
-            if a != 0:
-                ahead[c] = a - 1
-                continue
-            p = ptr[c]
-            loc[p] = i
             before[p] = b
             o = np.int64(b)
             v = np.int64(values[p])
@@ -229,17 +262,6 @@ def _build_numba():
                 elif key == KEY_SIGNED:
                     nw ^= top
             out[i] = nw
-            p += 1
-            ptr[c] = p
-            ahead[c] = want[p] - want[p - 1] - 1 if p < want_start[c + 1] else FAR
-        ok = True
-        for c in range(N_CLASSES):
-            ok = ok and ptr[c] == want_start[c + 1]
-        if not ok and not copy:
-            # In place: a chunk that fails leaves its elements as they were.
-            for c in range(N_CLASSES):
-                for p in range(want_start[c], ptr[c]):
-                    out[loc[p]] = before[p]
         return loc, ok
 
     return class_ranks, scatter, scatter_rebuild
