@@ -206,3 +206,22 @@ def test_fused_residuals_match_numpy(n, density, width, key, seed):
         assert np.array_equal(x, y)
     xor, delta = kernels.residual_transforms(bits[a[0]], new[a[0]], key)
     assert np.array_equal(a[4], xor) and np.array_equal(a[5], delta)
+
+
+def test_compiled_kernels_are_cacheable_across_processes():
+    # numba keys a cached closure by a pickle of its cells, which differs in
+    # every process: a kernel that closes over another compiles again in
+    # each process (seconds on a worker's first patch).
+    from colonnade.pulse import rangecoder, rice
+
+    dispatchers = [
+        *kernels._NUMBA,
+        kernels._find,
+        kernels._ahead,
+        rangecoder._ENC_V,
+        rangecoder._DEC_V,
+        rangecoder._learn,
+        *rice._KERNELS,
+    ]
+    for d in dispatchers:
+        assert d.py_func.__closure__ is None, d.py_func.__qualname__

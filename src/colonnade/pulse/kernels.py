@@ -59,6 +59,12 @@ def _numpy_scatter(cls: np.ndarray, group_cls: np.ndarray, ranks: list[np.ndarra
 
 
 def _build_numba():
+    # The helpers the kernels call are module globals, not closure cells:
+    # numba keys a cached closure by a pickle of its cells, and a pickled
+    # dispatcher differs in every process, so each process compiled the
+    # kernels again (seconds on a worker's first patch) and added a file to
+    # the cache.
+    global _ahead, _find
     import numba
 
     # Each kernel runs its element loop once per class mode, written out in
