@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from colonnade.pulse import parallel
 from colonnade.pulse.parallel import budgeted_map, tensor_budget
 
 
@@ -68,9 +69,37 @@ def test_first_error_is_raised_and_no_new_items_start():
     with pytest.raises(ValueError, match="boom"):
         budgeted_map(fn, list(range(21)), costs, budget=50, n_workers=2)
     assert started == [0]
+    assert parallel._waiting == 0 and parallel._busy == 0  # the items never started
 
 
 def test_empty_input_and_budget_rule():
     assert budgeted_map(lambda x: x, [], [], budget=1) == []
     assert tensor_budget([32, 8, 8, 16]) == 32 + 64 // 8
     assert tensor_budget([]) == 0
+
+
+def _thread_of(_i=None):
+    return threading.current_thread()
+
+
+def test_ordered_keeps_order_and_uses_idle_cores(monkeypatch):
+    monkeypatch.setattr(parallel, "workers", lambda: 2)
+    me = threading.current_thread()
+    got = list(parallel.ordered([lambda i=i: (i, _thread_of()) for i in range(6)], ahead=2))
+    assert [i for i, _ in got] == list(range(6))
+    assert any(t is not me for _, t in got)  # nothing else works: chunks go to the pool
+
+
+def test_ordered_runs_inline_while_other_items_wait(monkeypatch):
+    # One worker thread, three items: while the first one's chunks run, two
+    # items wait for a core, so its chunks stay on its own thread.
+    monkeypatch.setattr(parallel, "workers", lambda: 2)
+
+    def item(i):
+        me = threading.current_thread()
+        threads = list(parallel.ordered([_thread_of] * 4))
+        return i, all(t is me for t in threads)
+
+    out = budgeted_map(item, [0, 1, 2], [3, 2, 1], budget=10, n_workers=1)
+    assert out[0] == (0, True)
+    assert parallel._waiting == 0 and parallel._busy == 0
