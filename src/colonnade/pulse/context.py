@@ -31,6 +31,29 @@ def _zeros(n: int) -> np.ndarray:
 # (shift, mask) of the exponent field per float dtype.
 _EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52, 0x7FF)}
 
+# A float tensor's classes are anchored BELOW_TOP binades under the largest
+# exponent of every SAMPLE_STRIDE-th element (of all of them below
+# SAMPLE_MIN elements). The largest magnitudes change least: a top class
+# shared by the top two binades costs less than merging two more of the
+# small ones, which change most, where a few outliers stand above the rest
+# (pretrained weights); and the sample reads a sixteenth of the base's
+# memory where the exact maximum read all of it. docs/benchmarks.md has the
+# sizes ("Classes anchored on a sample"). The decoder reads e0 from the
+# patch, so this rule is the encoder's alone.
+SAMPLE_STRIDE = 512
+SAMPLE_MIN = 1 << 16
+BELOW_TOP = 1
+
+
+def sampled(n: int) -> slice:
+    """The elements of a flat tensor of n whose largest exponent anchors its classes."""
+    return slice(None, None, SAMPLE_STRIDE) if n >= SAMPLE_MIN else slice(None)
+
+
+def exponent_reference(top: int) -> int:
+    """e0 of a float tensor whose sampled largest exponent field is `top`."""
+    return max(0, top - (N_CLASSES - 1) - BELOW_TOP)
+
 
 def exponent_field(bits: np.ndarray, dtype: str) -> np.ndarray:
     shift, mask = _EXPONENT[dtype]
@@ -70,9 +93,10 @@ class ClassMap:
 
     Chunked so that a 500M-element embedding never needs a 2 GB int32 copy.
     The reference exponent e0: a class is an exponent minus e0, clipped to
-    0..15. It is anchored at the largest exponent, because big-magnitude
-    elements change least and deserve the finest classes; everything 15 or
-    more binades below shares class 0, where nearly every element changes.
+    0..15. Everything 15 or more binades below e0's top class shares class
+    0, where nearly every element changes. For a float tensor it follows
+    `exponent_reference`; for int8 codes, the largest row-scale exponent
+    anchors the top class.
     """
 
     def __init__(
@@ -91,13 +115,12 @@ class ClassMap:
 
     def _reference(self) -> int:
         if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
-            top = int(self.rows.max())
-        elif self.ctx == "exp" and self.bits.size:
+            return max(0, int(self.rows.max()) - (N_CLASSES - 1))
+        if self.ctx == "exp" and self.bits.size:
             # The exponent field lies right under the sign bit.
-            top = kernels.top_magnitude(self.bits) >> _EXPONENT[self.dtype][0]
-        else:
-            return 0
-        return max(0, top - (N_CLASSES - 1))
+            top = kernels.top_magnitude(self.bits[sampled(self.bits.size)])
+            return exponent_reference(top >> _EXPONENT[self.dtype][0])
+        return 0
 
     def _lut(self) -> np.ndarray:
         if self._table is None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .context import _EXPONENT, N_CLASSES
+from .context import _EXPONENT, N_CLASSES, exponent_reference, sampled
 from .quant import SCALE_SUFFIX
 from .tensors import dtype_name
 
@@ -52,14 +52,15 @@ class DeviceClasses:
         base = state[name]
         self.ctx, self.dtype, self.bits = ctx, dtype_name(base), bits
         self.rows: torch.Tensor | None = None
-        top = None
+        self.e0 = 0
         if ctx == "rowscale":
             scale = bits_of(state[name + SCALE_SUFFIX].to(bits.device))
             self.rows, self.cols = _field(scale, "F32").to(torch.int64), max(base.shape[1], 1)
-            top = int(self.rows.max()) if self.rows.numel() else None
+            if self.rows.numel():
+                self.e0 = max(0, int(self.rows.max()) - (N_CLASSES - 1))
         elif ctx == "exp" and bits.numel():
-            top = int(_field(bits, self.dtype).max())
-        self.e0 = max(0, top - (N_CLASSES - 1)) if top is not None else 0
+            top = int(_field(bits[sampled(bits.numel())], self.dtype).max())
+            self.e0 = exponent_reference(top)
 
     def classes(self, start: int, stop: int) -> torch.Tensor:
         """uint8 class of each element in [start, stop)."""
