@@ -197,3 +197,49 @@ def test_group_table_is_smaller_by_columns():
     assert len(z.compress(positions.pack_groups(enc.groups))) < len(
         z.compress(enc.groups.tobytes())
     )
+
+
+def _table(rows):
+    g = np.zeros(len(rows), positions.GROUP_DTYPE)
+    for i, r in enumerate(rows):
+        g[i] = r
+    return positions.pack_groups(g)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([(0, 1, 2, 0, 5, 0), (2, 0, 2, 0, 5, 0)], "out of range"),  # chunk 2 of 2
+        ([(0, 16, 2, 0, 5, 0)], "out of range"),  # no class 16
+        ([(0, 1, 41, 0, 5, 0)], "out of range"),  # k beyond MAX_RICE_K
+        ([(1, 1, 2, 0, 5, 0), (0, 3, 2, 0, 5, 0)], "not in order"),  # chunks fall back
+        ([(0, 3, 2, 0, 5, 0), (0, 3, 2, 0, 5, 0)], "not in order"),  # a class twice
+        ([(0, 1, 2, 2, 5, 1)], "invert is not 0 or 1"),
+        ([(0, 1, 2, 0, 0, 0)], "group count out of range"),  # a group of no changes
+        ([(0, 1, 2, 1, 90, 11)], "group count out of range"),  # 101 in a chunk of 100
+        ([(1, 1, 2, 0, 51, 0)], "group count out of range"),  # 51 in the last chunk's 50
+    ],
+)
+def test_group_table_checks_name_what_is_wrong(rows, message):
+    raw = _table(rows)
+    with pytest.raises(ValueError, match=message):
+        rice.group_table(raw, n=150, chunk=100, check=True)
+    # Read without the checks (and by the uncompiled source) it is what was written.
+    t = rice.group_table(raw)
+    assert t.tolist() == [list(r) for r in rows]
+    out = np.empty((len(rows), 6), np.int64)
+    assert rice._group_table(np.frombuffer(raw, np.uint8), len(rows), 0, 1, 40, False, out) == 0
+    assert np.array_equal(out, t)
+
+
+def test_group_table_refuses_lengths_that_do_not_add_up():
+    raw = _table([(0, 1, 2, 1, 5, 3), (1, 2, 3, 0, 7, 0)])
+    rice.group_table(raw, n=150, chunk=100, check=True)  # well formed
+    for bad, message in [
+        (raw[:3], "too short"),
+        (raw[:20], "partial row"),
+        (raw[:-1], "wrong length"),  # the inverted row's kept cut short
+        (raw + b"\0", "wrong length"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rice.group_table(bad)

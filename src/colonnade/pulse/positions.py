@@ -72,25 +72,13 @@ def pack_groups(g: np.ndarray) -> bytes:
 
 def unpack_groups(raw: bytes) -> np.ndarray:
     """`pack_groups` read back; ValueError where the lengths do not add up."""
-    if len(raw) < 4:
-        raise ValueError("group table too short")
-    n = int(np.frombuffer(raw, _COUNT, 1)[0])
-    if len(raw) < 4 + 11 * n:
-        raise ValueError("group table has a partial row")
-    g = np.zeros(n, GROUP_DTYPE)
-    at = 4
-    g["chunk"] = np.cumsum(bitcodes.from_byte_planes(raw[at : at + 4 * n], n, 4), dtype=np.int64)
-    at += 4 * n
-    for name in ("cls", "k", "invert"):
-        g[name] = np.frombuffer(raw, np.uint8, n, at)
-        at += n
-    g["count"] = bitcodes.from_byte_planes(raw[at : at + 4 * n], n, 4)
-    at += 4 * n
-    inverted = g["invert"] != 0
-    n_inv = int(inverted.sum())
-    if len(raw) != at + 4 * n_inv:
-        raise ValueError("group table has the wrong length")
-    g["kept"][inverted] = bitcodes.from_byte_planes(raw[at:], n_inv, 4)
+    return _as_groups(rice.group_table(raw))
+
+
+def _as_groups(table: np.ndarray) -> np.ndarray:
+    g = np.empty(table.shape[0], GROUP_DTYPE)
+    for col, name in enumerate(("chunk", "cls", "k", "invert", "count", "kept")):
+        g[name] = table[:, col]
     return g
 
 
@@ -187,26 +175,10 @@ def residual_classes(groups: np.ndarray) -> np.ndarray:
 
 
 def read_groups(block: memoryview, n: int, chunk: int) -> np.ndarray:
-    """The checked group table of a "rice" code; ValueError if inconsistent."""
-    g = unpack_groups(_decompress(bytes(block), None))
-    n_chunks = -(-n // chunk)
-    if g.size and (
-        g["chunk"].max() >= n_chunks
-        or g["cls"].max() >= N_CLASSES
-        or g["k"].max() > bitcodes.MAX_RICE_K
-    ):
-        raise ValueError("group table out of range")
-    key = g["chunk"].astype(np.int64) * N_CLASSES + g["cls"]
-    if np.any(np.diff(key) <= 0):
-        raise ValueError("group table not in order")
-    if np.any(g["invert"] > 1):
-        raise ValueError("group table: invert is not 0 or 1")
-    # Before anything is sized by them: no group holds more elements than
-    # its chunk (a class of an inverted group is count + kept of them).
-    room = np.minimum(chunk, n - g["chunk"].astype(np.int64) * chunk)
-    if np.any(g["count"] == 0) or np.any(g["count"].astype(np.int64) + g["kept"] > room):
-        raise ValueError("group count out of range")
-    return g
+    """The checked group table of a "rice" code; ValueError if inconsistent
+    (out of range, out of order, or a group larger than its chunk: checked
+    before anything is sized by the counts)."""
+    return _as_groups(rice.group_table(_decompress(bytes(block), None), n, chunk, check=True))
 
 
 class _RiceReader:

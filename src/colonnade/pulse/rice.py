@@ -30,7 +30,15 @@ ERRORS = {
     -2: "unary stream ends early",
     -3: "remainder stream ends early",
     -4: "rank beyond its class",
+    -10: "group table too short",
+    -11: "group table has a partial row",
+    -12: "group table has the wrong length",
+    -13: "group table out of range",
+    -14: "group table not in order",
+    -15: "group table: invert is not 0 or 1",
 }
+# Columns of a group table as group_table gives it.
+T_CHUNK, T_CLS, T_K, T_INVERT, T_COUNT, T_KEPT = range(6)
 _LN2 = math.log(2.0)
 # Leading one bits (from the most significant) of each byte value.
 _LEADING_ONES = np.array(
@@ -219,6 +227,63 @@ def _decode_chunk(unary, u_pos, rem, r_pos, groups, limit, want):
     return u_pos, r_pos, 0
 
 
+def _u32_plane(data, at, count, i):
+    # Value i of `count` little-endian u32s stored as byte planes from `at`.
+    v = 0
+    for b in range(4):
+        v |= np.int64(data[at + b * count + i]) << (8 * b)
+    return v
+
+
+def _group_table(data, rows, n, chunk, max_k, check, out):  # pragma: no cover - compiled
+    # Reads positions.pack_groups' wire form (its row count already read and
+    # its length checked against it) into out, one row a group; with
+    # `check`, holds it to a tensor of n elements in chunks of `chunk`.
+    # Returns 0 or an ERRORS code, checks in the order their messages rank.
+    at = 4
+    c = 0
+    for i in range(rows):
+        c = (c + _u32_plane(data, at, rows, i)) & 0xFFFFFFFF  # a u32 column, as on the wire
+        out[i, 0] = c
+    at += 4 * rows
+    for col in range(1, 4):  # cls, k, invert: a byte each
+        for i in range(rows):
+            out[i, col] = data[at + i]
+        at += rows
+    n_inv = 0
+    for i in range(rows):
+        out[i, 4] = _u32_plane(data, at, rows, i)
+        if out[i, 3] != 0:
+            n_inv += 1
+    at += 4 * rows
+    if data.size != at + 4 * n_inv:
+        return -12
+    j = 0
+    for i in range(rows):
+        out[i, 5] = 0
+        if out[i, 3] != 0:
+            out[i, 5] = _u32_plane(data, at, n_inv, j)
+            j += 1
+    if not check:
+        return 0
+    n_chunks = (n + chunk - 1) // chunk
+    for i in range(rows):
+        if out[i, 0] >= n_chunks or out[i, 1] >= N_CLASSES or out[i, 2] > max_k:
+            return -13
+    for i in range(1, rows):
+        if out[i, 0] * N_CLASSES + out[i, 1] <= out[i - 1, 0] * N_CLASSES + out[i - 1, 1]:
+            return -14
+    for i in range(rows):
+        if out[i, 3] > 1:
+            return -15
+    # Before anything is sized by them: no group holds more elements than
+    # its chunk (a class of an inverted group is count + kept of them).
+    for i in range(rows):
+        if out[i, 4] == 0 or out[i, 4] + out[i, 5] > min(chunk, n - out[i, 0] * chunk):
+            return -1
+    return 0
+
+
 def _compile():
     if os.environ.get("COLONNADE_NO_NUMBA") == "1":
         return None
@@ -229,9 +294,9 @@ def _compile():
     jit = numba.njit(cache=True, nogil=True)
     # Helpers first: the kernels call them by these module globals.
     g = globals()
-    for name in ("_best_k", "_group_gaps", "_put", "_get"):
+    for name in ("_best_k", "_group_gaps", "_put", "_get", "_u32_plane"):
         g[name] = jit(g[name])
-    return jit(_encode_chunk), jit(_decode_chunk)
+    return jit(_encode_chunk), jit(_decode_chunk), jit(_group_table)
 
 
 _KERNELS = _compile()
@@ -292,3 +357,23 @@ def decode_chunk(
     if err:
         raise ValueError(ERRORS[err])
     return want, u, r
+
+
+def group_table(raw: bytes, n: int = 0, chunk: int = 1, check: bool = False) -> np.ndarray:
+    """A group table's wire form (positions.pack_groups) read into rows of
+    int64 (T_CHUNK, T_CLS, T_K, T_INVERT, T_COUNT, T_KEPT); with `check`,
+    held to a tensor of n elements in chunks of `chunk`. ValueError where
+    it is not one. One compiled pass: the numpy version's two dozen calls
+    were a twentieth of an apply."""
+    data = np.frombuffer(raw, np.uint8)
+    if data.size < 4:
+        raise ValueError(ERRORS[-10])
+    rows = int(data[:4].view("<u4")[0])
+    if data.size < 4 + 11 * rows:
+        raise ValueError(ERRORS[-11])
+    out = np.empty((rows, 6), np.int64)
+    kernel = _KERNELS[2] if _KERNELS is not None else _group_table
+    err = kernel(data, rows, n, chunk, MAX_RICE_K, check, out)
+    if err:
+        raise ValueError(ERRORS[err])
+    return out
