@@ -225,3 +225,15 @@ def test_compiled_kernels_are_cacheable_across_processes():
     ]
     for d in dispatchers:
         assert d.py_func.__closure__ is None, d.py_func.__qualname__
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_range_coder_escapes_add_in_order(dtype):
+    from colonnade.pulse import rangecoder
+
+    values = np.array([1, 16, 3, 16, 16, 2], dtype)
+    assert rangecoder.count_escapes(values) == 3
+    rangecoder.add_escapes(values, np.array([0, 5, 200], dtype))
+    assert values.tolist() == [1, 16, 3, 21, 216, 2]
+    with pytest.raises(TypeError):
+        rangecoder.add_escapes(values, np.array([1], np.int64))

@@ -162,8 +162,25 @@ def _decode_values(data, classes, out, recip):
     return pos
 
 
+def _count_escapes(values, escape):
+    n = 0
+    for i in range(values.size):
+        if values[i] == escape:
+            n += 1
+    return n
+
+
+def _add_escapes(values, rest, escape):
+    # Each escaped value gets the next of `rest` (what it holds beyond the chain).
+    j = 0
+    for i in range(values.size):
+        if values[i] == escape:
+            values[i] += rest[j]
+            j += 1
+
+
 def _compile():
-    fns = (_encode_values, _decode_values)
+    fns = (_encode_values, _decode_values, _count_escapes, _add_escapes)
     if os.environ.get("COLONNADE_NO_NUMBA") == "1":
         return fns
     try:
@@ -175,7 +192,7 @@ def _compile():
     return tuple(jit(f) for f in fns)
 
 
-_ENC_V, _DEC_V = _compile()
+_ENC_V, _DEC_V, _COUNT_ESC, _ADD_ESC = _compile()
 COMPILED = _ENC_V is not _encode_values
 
 
@@ -197,11 +214,27 @@ def encode_values(values: np.ndarray, classes: np.ndarray) -> bytes:
     raise AssertionError("range coder overran its hard bound")
 
 
-def decode_values(data: bytes, classes: np.ndarray) -> np.ndarray:
-    """Values (1..16; 16 = escape) of `classes.size` symbols; ValueError if short."""
-    out = np.empty(classes.size, np.uint8)  # values are 1..16
+def decode_values(data: bytes, classes: np.ndarray, dtype=np.uint8) -> np.ndarray:
+    """Values (1..16; 16 = escape) of `classes.size` symbols, as `dtype`
+    (where escapes will be added: `add_escapes`); ValueError if short."""
+    out = np.empty(classes.size, dtype)
     cls = classes.astype(np.uint8, copy=False)
     used = _DEC_V(np.frombuffer(data, np.uint8), cls, out, _RECIP)
     if used < 0:
         raise ValueError("range-coded residuals end early")
     return out
+
+
+ESCAPE = CHAIN + 1  # a decoded value that left the chain
+
+
+def count_escapes(values: np.ndarray) -> int:
+    return int(_COUNT_ESC(values, values.dtype.type(ESCAPE)))
+
+
+def add_escapes(values: np.ndarray, rest: np.ndarray) -> None:
+    """Add to each escaped value, in order, what it holds beyond the chain
+    (`rest`, of values' dtype, one per escape: count_escapes)."""
+    if rest.dtype != values.dtype:
+        raise TypeError(f"escapes are {rest.dtype}, values {values.dtype}")
+    _ADD_ESC(values, rest, values.dtype.type(ESCAPE))
