@@ -32,22 +32,23 @@ def _zeros(n: int) -> np.ndarray:
 _EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52, 0x7FF)}
 
 # A float tensor's classes are anchored BELOW_TOP binades under the largest
-# exponent of every SAMPLE_STRIDE-th element (of all of them below
-# SAMPLE_MIN elements). The largest magnitudes change least: a top class
-# shared by the top two binades costs less than merging two more of the
-# small ones, which change most, where a few outliers stand above the rest
-# (pretrained weights); and the sample reads a sixteenth of the base's
-# memory where the exact maximum read all of it. docs/benchmarks.md has the
-# sizes ("Classes anchored on a sample"). The decoder reads e0 from the
-# patch, so this rule is the encoder's alone.
-SAMPLE_STRIDE = 512
-SAMPLE_MIN = 1 << 16
+# exponent of a sample of its elements (`sampled`). The largest magnitudes
+# change least: a top class shared by the top two binades costs less than
+# merging two more of the small ones, which change most, where a few
+# outliers stand above the rest (pretrained weights); and the sample reads a
+# few cache lines of the base where the exact maximum read all of it.
+# docs/benchmarks.md has the sizes ("Classes anchored on a sample"). The
+# decoder reads e0 from the patch, so this rule is the encoder's alone.
+SAMPLE_STRIDE = 4096
+SAMPLE_COUNT = 256
 BELOW_TOP = 1
 
 
 def sampled(n: int) -> slice:
-    """The elements of a flat tensor of n whose largest exponent anchors its classes."""
-    return slice(None, None, SAMPLE_STRIDE) if n >= SAMPLE_MIN else slice(None)
+    """The elements of a flat tensor of n whose largest exponent anchors its
+    classes: one in SAMPLE_STRIDE, or SAMPLE_COUNT spread evenly where that
+    is more (all of a tensor under SAMPLE_COUNT elements)."""
+    return slice(None, None, min(SAMPLE_STRIDE, max(1, n // SAMPLE_COUNT)))
 
 
 def exponent_reference(top: int) -> int:
