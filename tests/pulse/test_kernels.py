@@ -237,3 +237,6 @@ def test_range_coder_escapes_add_in_order(dtype):
     assert values.tolist() == [1, 16, 3, 21, 216, 2]
     with pytest.raises(TypeError):
         rangecoder.add_escapes(values, np.array([1], np.int64))
+    for rest in ([7], [7, 7, 7, 7]):  # fewer or more than the escapes
+        with pytest.raises(ValueError, match="escapes"):
+            rangecoder.add_escapes(np.array([16, 2, 16], dtype), np.array(rest, dtype))

@@ -171,12 +171,16 @@ def _count_escapes(values, escape):
 
 
 def _add_escapes(values, rest, escape):
-    # Each escaped value gets the next of `rest` (what it holds beyond the chain).
+    # Each escaped value gets the next of `rest` (what it holds beyond the
+    # chain); returns how many, or -1 where `rest` runs out first.
     j = 0
     for i in range(values.size):
         if values[i] == escape:
+            if j >= rest.size:
+                return -1
             values[i] += rest[j]
             j += 1
+    return j
 
 
 def _compile():
@@ -237,4 +241,5 @@ def add_escapes(values: np.ndarray, rest: np.ndarray) -> None:
     (`rest`, of values' dtype, one per escape: count_escapes)."""
     if rest.dtype != values.dtype:
         raise TypeError(f"escapes are {rest.dtype}, values {values.dtype}")
-    _ADD_ESC(values, rest, values.dtype.type(ESCAPE))
+    if _ADD_ESC(values, rest, values.dtype.type(ESCAPE)) != rest.size:
+        raise ValueError(f"{rest.size} residual escapes do not match the escaped values")
