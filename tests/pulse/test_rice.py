@@ -243,3 +243,25 @@ def test_group_table_refuses_lengths_that_do_not_add_up():
     ]:
         with pytest.raises(ValueError, match=message):
             rice.group_table(bad)
+
+
+def test_decoder_leaves_room_for_the_coded_ranks_still_to_come():
+    # An inverted group of a class of 8 with 5 changed: its 3 unchanged ranks
+    # are coded (k = 0: each gap in unary alone). The complement fills the
+    # group's 5 slots; a first coded rank past 5 would leave the other two no
+    # room below 8, and the ranks written before it would overrun the slots.
+    table = np.array([[0, 0, 1, 5, 3]], np.int64)  # cls, k, invert, count, kept
+    rem = np.zeros(0, np.uint8)
+    ok = np.array([0b11111000], np.uint8)  # gaps 5, 0, 0: ranks 5, 6, 7
+    want, u, _ = rice.decode_chunk(ok, 0, rem, 0, table, 8)
+    assert want.tolist() == [0, 1, 2, 3, 4] and u == 8
+    bad = np.array([0b11111110, 0], np.uint8)  # gap 7: rank 7 first
+    with pytest.raises(ValueError, match="rank beyond its class"):
+        rice.decode_chunk(bad, 0, rem, 0, table, 8)
+    if rice.COMPILED:  # the compiled decoder checks no index: nothing past the slots
+        guarded = np.full(9, -1, np.int64)
+        assert rice._KERNELS[1](bad, 0, rem, 0, table, 8, guarded[:5])[2] == -4
+        assert guarded[5:].tolist() == [-1] * 4
+    bad = np.array([0b11111101, 0], np.uint8)  # ranks 6, then 7: no room for the third
+    with pytest.raises(ValueError, match="rank beyond its class"):
+        rice.decode_chunk(bad, 0, rem, 0, table, 8)

@@ -185,7 +185,7 @@ def _decode_chunk(unary, u_pos, rem, r_pos, groups, limit, want):
         coded = kept if invert else m
         q_max = bound >> k  # a larger quotient puts the rank past the bound
         prev = -1
-        for _ in range(coded):
+        for j in range(coded):
             # The quotient's ones a byte at a time (a table of each byte's
             # leading ones), where reading them a bit at a time was two
             # fifths of a decode.
@@ -210,7 +210,10 @@ def _decode_chunk(unary, u_pos, rem, r_pos, groups, limit, want):
             r = _get(rem, r_pos, k)
             r_pos += k
             rank = prev + ((q << k) | r) + 1
-            if rank >= bound:
+            # Room below the bound for the coded ranks still to come: an
+            # inverted group writes the ranks between coded ones, and a first
+            # rank near the bound would write past the group's `m` slots.
+            if rank > bound - coded + j:
                 return u_pos, r_pos, -4
             if invert:
                 for x in range(prev + 1, rank):
