@@ -103,3 +103,21 @@ def test_ordered_runs_inline_while_other_items_wait(monkeypatch):
     out = budgeted_map(item, [0, 1, 2], [3, 2, 1], budget=10, n_workers=1)
     assert out[0] == (0, True)
     assert parallel._waiting == 0 and parallel._busy == 0
+
+
+def test_ordered_uses_cores_left_idle_by_the_budget(monkeypatch):
+    # The largest item runs alone (the other does not fit the budget beside
+    # it): the threads waiting for the budget leave their cores to its chunks.
+    monkeypatch.setattr(parallel, "workers", lambda: 4)
+
+    def item(i):
+        me = threading.current_thread()
+        if i == 1:
+            return i, True
+        time.sleep(0.05)  # the other map threads find nothing that fits
+        threads = list(parallel.ordered([_thread_of] * 4))
+        return i, any(t is not me for t in threads)
+
+    out = budgeted_map(item, [0, 1], [10, 9], budget=12, n_workers=4)
+    assert out[0] == (0, True)
+    assert parallel._waiting == 0 and parallel._busy == 0 and parallel._held == 0

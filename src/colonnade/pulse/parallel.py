@@ -30,13 +30,16 @@ def workers() -> int:
 
 
 # Threads of this module doing work now (budgeted_map's items and the pool's
-# chunks), and budgeted_map items not yet started. `ordered` hands a chunk to
-# the pool only where no item waits and fewer threads than cores work: while
-# other tensors wait, every core has one of its own to do, and a chunk handed
+# chunks), budgeted_map items not yet started, and budgeted_map threads
+# waiting for the budget to let one start. `ordered` hands a chunk to the pool
+# only where fewer threads than workers() work and no item could start
+# instead (none waits, or those that wait are held back by the budget): while
+# other tensors can start, every core gets one of its own, and a chunk handed
 # over only made more threads than cores (the SmolLM2 patch of
 # docs/benchmarks.md encoded and applied 5-7% faster with its chunks inline).
 _busy = 0
 _waiting = 0
+_held = 0
 _busy_lock = threading.Lock()
 
 
@@ -58,8 +61,14 @@ def _wait_more(n: int) -> None:
         _waiting += n
 
 
+def _hold(n: int) -> None:
+    global _held
+    with _busy_lock:
+        _held += n
+
+
 def _idle_core() -> bool:
-    return _waiting == 0 and _busy < workers()
+    return _busy < workers() and (_waiting == 0 or _held > 0)
 
 
 def _counted(fn: Callable[[], R]) -> R:
@@ -108,7 +117,11 @@ def budgeted_map(
                         in_flight += costs[i]
                         _wait_more(-1)
                         return i
-                cond.wait()
+                _hold(1)  # nothing fits the budget: this thread is idle
+                try:
+                    cond.wait()
+                finally:
+                    _hold(-1)
             return None
 
     def work() -> None:
@@ -132,7 +145,9 @@ def budgeted_map(
         for t in threads:
             t.join()
     finally:
-        _wait_more(-len(order))  # items never started (after an error)
+        with cond:  # items never started (after an error): none may start now
+            _wait_more(-len(order))
+            order.clear()
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]
@@ -168,8 +183,8 @@ def ordered(thunks: Iterable[Callable[[], R]], ahead: int | None = None) -> Iter
     The chunks of one large tensor on the idle cores: the iterable is
     advanced (and whatever it does in order, such as reading a bit stream,
     done) on the caller's thread; a thunk (compiled kernels, which free the
-    GIL) goes to a shared pool while fewer threads than cores are at work,
-    and otherwise runs on the caller's thread. Thunks never wait on one
+    GIL) goes to a shared pool where a core is idle (`_idle_core`), and
+    otherwise runs on the caller's thread. Thunks never wait on one
     another, so the pool cannot deadlock however many tensors use it at
     once; `ahead` bounds the results held. A single thunk runs on the
     caller's thread.
