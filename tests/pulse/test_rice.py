@@ -265,3 +265,36 @@ def test_decoder_leaves_room_for_the_coded_ranks_still_to_come():
     bad = np.array([0b11111101, 0], np.uint8)  # ranks 6, then 7: no room for the third
     with pytest.raises(ValueError, match="rank beyond its class"):
         rice.decode_chunk(bad, 0, rem, 0, table, 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=200), rows=st.integers(0, 12), seed=st.integers(0, 2**31))
+def test_group_table_reads_what_packs_back_or_refuses(data, rows, seed):
+    # Any bytes: the reader refuses them, or what it read packs back to them.
+    # Half the cases start from a real table, cut, extended or with a byte
+    # changed, so that the reader gets past its length checks.
+    rng = np.random.default_rng(seed)
+    if seed % 2:
+        g = np.zeros(rows, positions.GROUP_DTYPE)
+        for name in ("chunk", "count", "kept"):
+            g[name] = rng.integers(0, 1 << 32, rows, dtype=np.uint64)
+        g["cls"], g["k"], g["invert"] = (rng.integers(0, 256, rows) for _ in range(3))
+        raw = bytearray(positions.pack_groups(g))
+        if raw and data:
+            raw[data[0] % len(raw)] = data[-1]
+        data = bytes(raw[: len(raw) - seed % 3]) if seed % 5 else bytes(raw) + data[:3]
+    try:
+        t = rice.group_table(data)
+    except ValueError:
+        return
+    assert positions.pack_groups(positions._as_groups(t)) == data
+
+
+def test_group_table_with_more_rows_than_pairs_is_refused_before_reading():
+    # 2 chunks of 16 classes hold 32 groups at most; a count of 10^9 rows is
+    # refused without sizing anything by it.
+    raw = np.array([10**9], "<u4").tobytes()
+    with pytest.raises(ValueError, match="out of range"):
+        rice.group_table(raw, n=150, chunk=100, check=True)
+    with pytest.raises(ValueError, match="partial row"):
+        rice.group_table(raw)

@@ -36,7 +36,7 @@ _EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52
 # change least: a top class shared by the top two binades costs less than
 # merging two more of the small ones, which change most, where a few
 # outliers stand above the rest (pretrained weights); and the sample reads a
-# few cache lines of the base where the exact maximum read all of it.
+# few hundred cache lines of the base where the exact maximum read all of it.
 # docs/benchmarks.md has the sizes ("Classes anchored on a sample"). The
 # decoder reads e0 from the patch, so this rule is the encoder's alone.
 SAMPLE_STRIDE = 4096
@@ -47,7 +47,7 @@ BELOW_TOP = 1
 def sampled(n: int) -> slice:
     """The elements of a flat tensor of n whose largest exponent anchors its
     classes: one in SAMPLE_STRIDE, or SAMPLE_COUNT spread evenly where that
-    is more (all of a tensor under SAMPLE_COUNT elements)."""
+    is more (all of a tensor under 2 · SAMPLE_COUNT elements)."""
     return slice(None, None, min(SAMPLE_STRIDE, max(1, n // SAMPLE_COUNT)))
 
 

@@ -230,7 +230,10 @@ def _build_numba():
 
     @numba.njit(cache=True, nogil=True)
     def scatter(n, bits, mode, lut, shift, arr, want_start, want):  # pragma: no cover
-        return _find(n, bits, bits, False, mode, lut, shift, arr, want_start, want)
+        # Nothing is copied: an empty `out`, so read-only bits type too.
+        return _find(
+            n, bits, np.empty(0, bits.dtype), False, mode, lut, shift, arr, want_start, want
+        )
 
     @numba.njit(cache=True, nogil=True)
     def scatter_rebuild(
@@ -390,8 +393,9 @@ def scatter_rebuild(
     bits: the chunk's base bits; out: where its new bits go (bits itself, in
     place, or a fresh array that gets the unchanged elements copied too);
     values: the residuals of the changes in class-major order (res: RES_*,
-    key: KEY_*). One pass over the chunk where compiled (elements of ≤ 32
-    bits); otherwise scatter_ranks, then numpy.
+    key: KEY_*). Where compiled (elements of ≤ 32 bits), one pass over the
+    chunk finds them and a second over those found rebuilds them; otherwise
+    scatter_ranks, then numpy.
     """
     width = bits.dtype.itemsize * 8
     if _use_numba(backend) and width <= 32:

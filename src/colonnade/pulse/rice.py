@@ -372,6 +372,10 @@ def group_table(raw: bytes, n: int = 0, chunk: int = 1, check: bool = False) -> 
     if data.size < 4:
         raise ValueError(ERRORS[-10])
     rows = int(data[:4].view("<u4")[0])
+    if check and rows > -(-n // chunk) * N_CLASSES:
+        # More groups than (chunk, class) pairs: refused before any work or
+        # memory (the checks below would refuse it too, after both).
+        raise ValueError(ERRORS[-13])
     if data.size < 4 + 11 * rows:
         raise ValueError(ERRORS[-11])
     out = np.empty((rows, 6), np.int64)
