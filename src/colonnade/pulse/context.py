@@ -51,9 +51,11 @@ def sampled(n: int) -> slice:
     return slice(None, None, min(SAMPLE_STRIDE, max(1, n // SAMPLE_COUNT)))
 
 
-def exponent_reference(top: int) -> int:
-    """e0 of a float tensor whose sampled largest exponent field is `top`."""
-    return max(0, top - (N_CLASSES - 1) - BELOW_TOP)
+def exponent_reference(top: int, below: int = BELOW_TOP) -> int:
+    """e0 whose top class holds exponent `top` and the `below` binades under
+    it: a float tensor's sampled largest exponent field, BELOW_TOP; an int8
+    tensor's largest row-scale exponent, 0."""
+    return max(0, top - (N_CLASSES - 1) - below)
 
 
 def exponent_field(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -116,7 +118,7 @@ class ClassMap:
 
     def _reference(self) -> int:
         if self.ctx == "rowscale" and self.rows is not None and self.rows.size:
-            return max(0, int(self.rows.max()) - (N_CLASSES - 1))
+            return exponent_reference(int(self.rows.max()), below=0)
         if self.ctx == "exp" and self.bits.size:
             # The exponent field lies right under the sign bit.
             top = kernels.top_magnitude(self.bits[sampled(self.bits.size)])

@@ -78,7 +78,7 @@ def unpack_groups(raw: bytes) -> np.ndarray:
 
 def _as_groups(table: np.ndarray) -> np.ndarray:
     g = np.empty(table.shape[0], GROUP_DTYPE)
-    for col, name in enumerate(("chunk", "cls", "k", "invert", "count", "kept")):
+    for col, name in enumerate(GROUP_DTYPE.names):
         g[name] = table[:, col]
     return g
 

@@ -37,8 +37,6 @@ ERRORS = {
     -14: "group table not in order",
     -15: "group table: invert is not 0 or 1",
 }
-# Columns of a group table as group_table gives it.
-T_CHUNK, T_CLS, T_K, T_INVERT, T_COUNT, T_KEPT = range(6)
 _LN2 = math.log(2.0)
 # Leading one bits (from the most significant) of each byte value.
 _LEADING_ONES = np.array(
@@ -364,7 +362,8 @@ def decode_chunk(
 
 def group_table(raw: bytes, n: int = 0, chunk: int = 1, check: bool = False) -> np.ndarray:
     """A group table's wire form (positions.pack_groups) read into rows of
-    int64 (T_CHUNK, T_CLS, T_K, T_INVERT, T_COUNT, T_KEPT); with `check`,
+    int64, one column per field of positions.GROUP_DTYPE in its order (chunk,
+    cls, k, invert, count, kept); with `check`,
     held to a tensor of n elements in chunks of `chunk`. ValueError where
     it is not one. One compiled pass: the numpy version's two dozen calls
     were a twentieth of an apply."""

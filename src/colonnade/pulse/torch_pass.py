@@ -57,7 +57,7 @@ class DeviceClasses:
             scale = bits_of(state[name + SCALE_SUFFIX].to(bits.device))
             self.rows, self.cols = _field(scale, "F32").to(torch.int64), max(base.shape[1], 1)
             if self.rows.numel():
-                self.e0 = max(0, int(self.rows.max()) - (N_CLASSES - 1))
+                self.e0 = exponent_reference(int(self.rows.max()), below=0)
         elif ctx == "exp" and bits.numel():
             top = int(_field(bits[sampled(bits.numel())], self.dtype).max())
             self.e0 = exponent_reference(top)
