@@ -133,18 +133,40 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def register_keys(sub: argparse._SubParsersAction) -> None:
-    k = sub.add_parser("keys", help="worker signing keys (ed25519)")
+    k = sub.add_parser("keys", help="signing keys of workers and the trainer (ed25519)")
     ksub = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     new = ksub.add_parser(
         "new",
-        help="make a worker's key pair",
-        description="Write ID.key (private, mode 0600: stays on the worker) and ID.pub "
-        "(give it to the operator, who passes the file or its folder to "
-        "`colonnade trainer --worker-keys`).",
+        help="make a key pair (a worker's, or the trainer's with --id trainer)",
+        description="Write ID.key (private, mode 0600: stays on its machine) and ID.pub. "
+        "A worker gives its .pub to the operator, who passes the file or its folder to "
+        "`colonnade trainer --worker-keys`; the trainer's key goes to `colonnade trainer "
+        "--key`, and its .pub or fingerprint to `colonnade worker --trust`.",
     )
-    new.add_argument("--id", required=True, help="the worker's name in the run")
+    new.add_argument("--id", required=True, help="the worker's name in the run, or trainer")
     new.add_argument("--out", type=Path, default=Path("keys"), help="folder (default ./keys)")
     new.set_defaults(handler=_keys_new)
+    fp = ksub.add_parser(
+        "fingerprint",
+        help="print a key file's fingerprint",
+        description="Print the fingerprint (SHA256:...) of a .key or .pub file: what "
+        "`colonnade worker --trust` takes, and what the trainer logs at start.",
+    )
+    fp.add_argument("file", type=Path, help="a .key or .pub file")
+    fp.set_defaults(handler=_keys_fingerprint)
+
+
+def _keys_fingerprint(args: argparse.Namespace) -> int:
+    from colonnade.protocol.signing import fingerprint, load_public
+
+    from .main import CliError
+
+    try:
+        _, public = load_public(args.file)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(fingerprint(public))
+    return 0
 
 
 def _keys_new(args: argparse.Namespace) -> int:
@@ -156,6 +178,10 @@ def _keys_new(args: argparse.Namespace) -> int:
         private, public = new_keypair(args.id, args.out)
     except (ValueError, FileExistsError) as e:
         raise CliError(str(e)) from None
+    if args.id == "trainer":
+        print(f"private key: {private} (keep it on the trainer: --key {private})")
+        print(f"public key:  {public} (workers pin it: colonnade worker --trust {public})")
+        return 0
     print(f"private key: {private} (keep it on the worker: --key {private})")
     print(f"public key:  {public} (register it: colonnade trainer --worker-keys {public.parent})")
     return 0

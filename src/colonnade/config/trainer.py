@@ -21,6 +21,21 @@ HASHES = ("blake3", "sha256")
 class TrainerConfig:
     store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
+    profile: str | None = setting(None, "credentials profile for the run's store (s3://)")
+    inbox: str = setting(
+        "",
+        "where workers write (a second bucket: s3://inbox-bucket/prefix); default the inbox/ "
+        "folder of the run's store. Recorded in the signed run.json",
+    )
+    inbox_endpoint_url: str | None = setting(
+        None, "the inbox's S3 endpoint when it differs from the run's (recorded for workers)"
+    )
+    inbox_profile: str | None = setting(None, "credentials profile for the inbox (s3://)")
+    key: str = setting(
+        "",
+        "the trainer's private key (`colonnade keys new --id trainer`); it signs everything "
+        "workers act on. Default: one kept in the local cache, made at the first start",
+    )
     env: str = setting("smoke", "environment name or import path")
     env_kwargs: dict = setting({}, "the environment's arguments (flags: --env-arg k=v)")
     model: str = setting("tiny", "preset (tiny, smollm2-135m), model directory or hub name")

@@ -18,6 +18,15 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 class WorkerConfig:
     store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
+    profile: str | None = setting(None, "credentials profile for the run's store (read only)")
+    inbox_profile: str | None = setting(
+        None, "credentials profile for the inbox, where the worker writes (default: --profile)"
+    )
+    trust: str = setting(
+        "",
+        "the trainer's key: its .pub/.key file or fingerprint (SHA256:...); unset, the key "
+        "of the first run.json read is pinned (one warning)",
+    )
     id: str = setting("", "the worker's name in the run (default: host-pid)")
     device: str = setting("cpu", "where the torch engine runs", DEVICES)
     engine: str = setting(

@@ -1,5 +1,8 @@
 """The small documents beside the weights: heartbeats, claims, the quarantine
-file, the consumed ledgers and done.json (docs/protocol.md, "Documents").
+file, the consumed ledgers and done.json (docs/protocol.md, "Documents"),
+and how a signed document is written and read (`write_signed`,
+`read_signed`: the trainer's documents travel in the envelope of
+`protocol.signing`).
 
 Each is a frozen dataclass, written with `to_json` and read with
 `from_json` only: size-bounded, depth-bounded, every field present and of
@@ -11,6 +14,7 @@ checks is skipped by the readers, never trusted.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -19,6 +23,7 @@ from colonnade.store import NotFound, ObjectStore
 
 from .keys import check_worker_id, parse_rollout_key
 from .schemas import MAX_JSON_BYTES, SchemaError, _int, _need, _num, _same_fields, dumps, loads
+from .signing import SignatureRejected, Signer, Trust, open_doc, read_envelope, seal_doc
 
 MAX_TEXT = 256  # characters of a free-text field (host, platform, reason, ...)
 MAX_LEDGER_BYTES = 64 << 20  # one version's ledger: keys and digests of its batches
@@ -36,6 +41,31 @@ def read_document(store: ObjectStore, key: str, cls: type[D]) -> D | None:
     except NotFound:
         return None
     return cls.from_json(data)
+
+
+# What an envelope adds to its document: the run id, the key, a signature.
+ENVELOPE_BYTES = 4096
+
+
+def read_signed(store: ObjectStore, key: str, cls: type[D], trust: Trust) -> D | None:
+    """The trainer's document of type `cls` at `key`, its signature checked
+    against `trust`; None where there is none. SignatureRejected for one the
+    trainer did not sign there, SchemaError for one that does not read."""
+    limit = cls.MAX_BYTES + ENVELOPE_BYTES
+    try:
+        data = store.get(key, max_bytes=limit)
+    except NotFound:
+        return None
+    return cls.from_json(dumps(trust.open(key, data, limit)))
+
+
+def sealed(signer: Signer, key: str, doc: Any) -> bytes:
+    """A document (anything with `to_json`) as the trainer's signed envelope for `key`."""
+    return signer.seal(key, json.loads(doc.to_json()))
+
+
+def write_signed(store: ObjectStore, key: str, doc: Any, signer: Signer) -> None:
+    store.put(key, sealed(signer, key, doc))
 
 
 def _text(x: Any, what: str, empty: bool = True) -> None:
@@ -60,7 +90,7 @@ def _version(x: Any, what: str, none: bool = False) -> None:
 
 @dataclass(frozen=True)
 class WorkerHeartbeat:
-    """workers/{worker}.json: a worker says it lives, rewritten every ~20 s
+    """{worker}/heartbeat.json in the inbox: a worker says it lives, rewritten every ~20 s
     and once more when it exits. Read by the trainer (workers alive, from
     the object's time, not this), the live view and the report."""
 
@@ -98,7 +128,7 @@ class WorkerHeartbeat:
 
 @dataclass(frozen=True)
 class Claim:
-    """claims/{v}/{slot}.json: a worker takes one slot of the trainer's demand
+    """claims/{v}/{slot}.json in the inbox: a worker takes one slot of the trainer's demand
     for version v (put-if-absent: the first writer has it) and then makes
     that batch. Immutable. The trainer reads each claim once, to match it
     with the worker's batches; expiry is judged by the object's store time
@@ -119,6 +149,26 @@ class Claim:
         _worker(d["worker"], "worker")
         _time(d["time"], "time")
         return cls(**d)
+
+
+def seal_claim(private, run_id: str, key: str, claim: Claim) -> bytes:
+    """A worker's claim at `key`, signed with its key (None: an open run, unsigned)."""
+    return seal_doc(private, run_id, key, json.loads(claim.to_json()))
+
+
+def open_claim(data: bytes, key: str, run_id: str, keyring: dict | None) -> Claim:
+    """The claim at `key`: of this run, and in a signed run (`keyring`: worker ->
+    public key) signed by the worker it names. SchemaError otherwise."""
+    env = read_envelope(data, key, Claim.MAX_BYTES)
+    if env["run"] != run_id:
+        raise SignatureRejected("bad_signature", f"{key}: a claim of another run")
+    claim = Claim.from_json(dumps(env["doc"]))
+    if keyring is not None:
+        public = keyring.get(claim.worker)
+        if public is None:
+            raise SignatureRejected("unknown_key", f"{key}: {claim.worker!r} is not registered")
+        open_doc(env, run_id, public)
+    return claim
 
 
 @dataclass(frozen=True)

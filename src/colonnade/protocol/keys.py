@@ -1,24 +1,35 @@
-"""Object keys of protocol v5, all relative to the run prefix (docs/protocol.md).
+"""Object keys of the protocol (docs/protocol.md), in two stores.
+
+The run's store, written by the trainer only (keys relative to the run prefix):
 
 | key                                        | writer         |
 |--------------------------------------------|----------------|
-| run.json                                   | trainer, once  |
-| model/{file}                               | trainer, once  |
+| run.json                                   | trainer, once (signed) |
+| model/{file}                               | trainer, once (hashed in run.json) |
 | weights/{v:08d}/patch.pulse                | trainer (v ≥ 1) |
 | weights/{v:08d}/full.safetensors           | trainer (anchors) |
-| weights/{v:08d}/meta.json                  | trainer, last  |
-| weights/latest.json                        | trainer (hint) |
-| rollouts/{v:08d}/{worker}/{seq:06d}.safetensors.zst | worker |
-| claims/{v:08d}/{slot:06d}.json             | worker (put-if-absent) |
-| workers/{worker}.json                      | worker         |
-| trainer/heartbeat.json, keys.json, quarantine.json, done.json | trainer |
-| trainer/consumed/{v:08d}-{instance}.json   | trainer        |
-| trainer/checkpoints/{v:08d}/...            | trainer        |
-| metrics/{role}-{id}/{seg:06d}.jsonl        | each process   |
+| weights/{v:08d}/meta.json                  | trainer, last (signed) |
+| weights/latest.json                        | trainer (signed) |
+| trainer/heartbeat.json, keys.json, quarantine.json, done.json | trainer (signed) |
+| trainer/consumed/{v:08d}-{instance}.json   | trainer (signed) |
+| trainer/checkpoints/{v:08d}/...            | trainer (state.json signed) |
+| metrics/trainer-main/{seg:06d}.jsonl       | trainer (signed) |
 | report/launch.json, report/eval-*.json     | colonnade run  |
 
-Every key is built, and every listed key parsed, here: no other module
-spells a key or a prefix.
+The inbox, written by workers (keys relative to the inbox: a bucket of its
+own, or the run store's `inbox/` prefix), worker id first wherever one key
+belongs to one worker, so that a per-worker prefix policy can be written:
+
+| key                                        | writer         |
+|--------------------------------------------|----------------|
+| claims/{v:08d}/{slot:06d}.json             | worker (put-if-absent; signed) |
+| {worker}/rollouts/{v:08d}/{seq:06d}.safetensors.zst | worker (signed) |
+| {worker}/heartbeat.json                    | worker         |
+| {worker}/metrics/{seg:06d}.jsonl           | worker         |
+
+Claims are the one shared folder: a slot is one key that two workers race
+for with put-if-absent. Every key is built, and every listed key parsed,
+here: no other module spells a key or a prefix.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import re
 # 5: latest.json carries the trainer's seconds per version, so that a joiner
 #    polls at the pace of the versions from its first look.
 # 6: patches are PULSE format 3 (an inverted rice group states its class size).
-PROTOCOL_VERSION = 6
+# 7: the trainer signs what workers act on; workers write only to an inbox.
+PROTOCOL_VERSION = 7
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"
@@ -43,37 +55,37 @@ LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 EVAL_DURING = "report/eval-during/"  # held-out evals while training: {v:08d}.json (launcher)
 ROLLOUT_EXT = ".safetensors.zst"
-# Prefixes a process lists (and the trainer cleans of partial uploads).
 WEIGHTS = "weights/"
-ROLLOUTS = "rollouts/"
-CLAIMS = "claims/"
-WORKERS = "workers/"
+MODEL = "model/"
 TRAINER = "trainer/"
 CONSUMED = "trainer/consumed/"
 CHECKPOINTS = "trainer/checkpoints/"
 CHECKPOINT_STATE = "state.json"  # a checkpoint's last object
-MAX_SLOT = 999_999  # claim slots of one version: six digits
+TRAINER_METRICS = "metrics/trainer-main/"  # the trainer's metric segments (run store)
 METRICS = "metrics/"
+INBOX = "inbox/"  # the inbox's prefix in the run store, when it has no bucket of its own
+# Inbox folders: the shared claims, and under each worker its own.
+CLAIMS = "claims/"
+ROLLOUTS = "rollouts/"
+MAX_SLOT = 999_999  # claim slots of one version: six digits
+MAX_SEQ = 999_999  # a worker's batches of one version: six digits
+# Not worker ids: the inbox's shared folder is named so.
+RESERVED_IDS = ("claims",)
 
 # fullmatch with explicit ASCII classes: `$` would let a trailing newline
 # through, and `\d` any Unicode digit.
-_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_ROLLOUT = re.compile(
-    r"rollouts/([0-9]{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{6})\.safetensors\.zst"
-)
-_VERSION_DIR = re.compile(r"(weights|rollouts|claims)/([0-9]{8})/.+", re.DOTALL)
+_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_WORKER_ID = re.compile(_ID)
+_ROLLOUT = re.compile(rf"({_ID})/rollouts/([0-9]{{8}})/([0-9]{{6}})\.safetensors\.zst")
 _CLAIM = re.compile(r"claims/([0-9]{8})/([0-9]{6})\.json")
+_HEARTBEAT = re.compile(rf"({_ID})/heartbeat\.json")
+_WORKER_METRICS = re.compile(rf"({_ID})/metrics/([0-9]{{6}})\.jsonl")
+_WEIGHTS = re.compile(r"weights/([0-9]{8})/.+", re.DOTALL)
 _META = re.compile(r"weights/([0-9]{8})/meta\.json")
-_WORKER = re.compile(r"workers/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.json")
-# Ledgers of earlier releases have no instance.
-_CONSUMED = re.compile(r"trainer/consumed/([0-9]{8})(?:-([A-Za-z0-9]{1,64}))?\.json")
+_CONSUMED = re.compile(r"trainer/consumed/([0-9]{8})-([A-Za-z0-9]{1,64})\.json")
 _INSTANCE = re.compile(r"[A-Za-z0-9]{1,64}")
 _CHECKPOINT = re.compile(r"trainer/checkpoints/([0-9]{8})/(.+)")
-_ROLE = re.compile(r"[a-z]{1,16}")
-# metrics/{role}-{id}/{seg}.jsonl, or one metrics/{role}-{id}.jsonl of earlier releases
-_METRICS = re.compile(
-    r"metrics/([a-z]{1,16})-([A-Za-z0-9][A-Za-z0-9_.-]{0,63})(?:/([0-9]{6}))?\.jsonl"
-)
+_TRAINER_SEGMENT = re.compile(r"metrics/trainer-main/([0-9]{6})\.jsonl")
 
 
 def check_worker_id(worker: str) -> str:
@@ -82,11 +94,13 @@ def check_worker_id(worker: str) -> str:
             f"invalid worker id {worker!r}: 1-64 of letters, digits, '_', '.', '-' "
             "(starting with a letter or digit)"
         )
+    if worker in RESERVED_IDS:
+        raise ValueError(f"invalid worker id {worker!r}: the inbox's shared folder is named so")
     return worker
 
 
 def model_file(name: str) -> str:
-    return f"model/{name}"
+    return f"{MODEL}{name}"
 
 
 def weights_dir(v: int) -> str:
@@ -111,29 +125,56 @@ def parse_meta_key(key: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def parse_version_dir(key: str) -> tuple[str, int] | None:
-    """("weights" | "rollouts" | "claims", v) of any object under `weights/{v}/`,
-    `rollouts/{v}/` or `claims/{v}/` (well-formed or not), None for anything else."""
-    m = _VERSION_DIR.fullmatch(key) if isinstance(key, str) else None
-    return (m[1], int(m[2])) if m else None
-
-
-def rollouts_dir(v: int) -> str:
-    return f"rollouts/{v:08d}/"
-
-
-def rollout_key(v: int, worker: str, seq: int) -> str:
-    return f"{rollouts_dir(v)}{check_worker_id(worker)}/{seq:06d}{ROLLOUT_EXT}"
-
-
-def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
-    """(version, worker, seq) of a rollout key, None for anything else."""
-    m = _ROLLOUT.fullmatch(key) if isinstance(key, str) else None
-    return (int(m[1]), m[2], int(m[3])) if m else None
+def parse_weights_key(key: str) -> int | None:
+    """The version of any object under `weights/{v}/`, None for anything else."""
+    m = _WEIGHTS.fullmatch(key) if isinstance(key, str) else None
+    return int(m[1]) if m else None
 
 
 def eval_during_key(v: int) -> str:
     return f"{EVAL_DURING}{v:08d}.json"
+
+
+def consumed_key(v: int, instance: str) -> str:
+    """The rollouts that trained version v, by trainer `instance` (written
+    before v is published; a resumed trainer is another instance and writes
+    its own ledger beside one a killed one may have left)."""
+    if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
+        raise ValueError(f"invalid trainer instance {instance!r}: 1-64 ASCII letters or digits")
+    return f"{CONSUMED}{v:08d}-{instance}.json"
+
+
+def parse_consumed_key(key: str) -> tuple[int, str] | None:
+    """(version, instance) of a ledger key; None for anything else."""
+    m = _CONSUMED.fullmatch(key) if isinstance(key, str) else None
+    return (int(m[1]), m[2]) if m else None
+
+
+def checkpoint_dir(v: int) -> str:
+    return f"{CHECKPOINTS}{v:08d}/"
+
+
+def checkpoint_state_key(v: int) -> str:
+    """A checkpoint's state.json, written once every shard is up."""
+    return checkpoint_dir(v) + CHECKPOINT_STATE
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, str] | None:
+    """(version, file name) of a key under `trainer/checkpoints/{v}/`, None otherwise."""
+    m = _CHECKPOINT.fullmatch(key) if isinstance(key, str) else None
+    return (int(m[1]), m[2]) if m else None
+
+
+def trainer_segment_key(segment: int) -> str:
+    return f"{TRAINER_METRICS}{segment:06d}.jsonl"
+
+
+def parse_trainer_segment(key: str) -> int | None:
+    m = _TRAINER_SEGMENT.fullmatch(key) if isinstance(key, str) else None
+    return int(m[1]) if m else None
+
+
+# -- the inbox ------------------------------------------------------------------------
 
 
 def claims_dir(v: int) -> str:
@@ -154,60 +195,56 @@ def parse_claim_key(key: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def worker_key(worker: str) -> str:
-    return f"{WORKERS}{check_worker_id(worker)}.json"
+def worker_dir(worker: str) -> str:
+    """Everything one worker writes but its claims: its prefix in the inbox."""
+    return f"{check_worker_id(worker)}/"
 
 
-def parse_worker_key(key: str) -> str | None:
-    """The worker of a heartbeat key `workers/{worker}.json`, None for anything else."""
-    m = _WORKER.fullmatch(key) if isinstance(key, str) else None
-    return m[1] if m else None
+def rollout_key(v: int, worker: str, seq: int) -> str:
+    if not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq}: 0 to {MAX_SEQ}")
+    return f"{worker_dir(worker)}{ROLLOUTS}{v:08d}/{seq:06d}{ROLLOUT_EXT}"
 
 
-def consumed_key(v: int, instance: str) -> str:
-    """The rollouts that trained version v, by trainer `instance` (written
-    before v is published; a resumed trainer is another instance and writes
-    its own ledger beside one a killed one may have left)."""
-    if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
-        raise ValueError(f"invalid trainer instance {instance!r}: 1-64 ASCII letters or digits")
-    return f"{CONSUMED}{v:08d}-{instance}.json"
+def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
+    """(version, worker, seq) of a rollout key, None for anything else."""
+    m = _ROLLOUT.fullmatch(key) if isinstance(key, str) else None
+    if not m or m[1] in RESERVED_IDS:
+        return None
+    return int(m[2]), m[1], int(m[3])
 
 
-def parse_consumed_key(key: str) -> tuple[int, str] | None:
-    """(version, instance) of a ledger key; instance "" for a ledger of an
-    earlier release (`{v:08d}.json`); None for anything else."""
-    m = _CONSUMED.fullmatch(key) if isinstance(key, str) else None
-    return (int(m[1]), m[2] or "") if m else None
+def heartbeat_key(worker: str) -> str:
+    return f"{worker_dir(worker)}heartbeat.json"
 
 
-def checkpoint_dir(v: int) -> str:
-    return f"{CHECKPOINTS}{v:08d}/"
+def parse_heartbeat_key(key: str) -> str | None:
+    """The worker of a heartbeat key, None for anything else."""
+    m = _HEARTBEAT.fullmatch(key) if isinstance(key, str) else None
+    return m[1] if m and m[1] not in RESERVED_IDS else None
 
 
-def checkpoint_state_key(v: int) -> str:
-    """A checkpoint's state.json, written once every shard is up."""
-    return checkpoint_dir(v) + CHECKPOINT_STATE
+def worker_metrics_dir(worker: str) -> str:
+    return f"{worker_dir(worker)}metrics/"
 
 
-def parse_checkpoint_key(key: str) -> tuple[int, str] | None:
-    """(version, file name) of a key under `trainer/checkpoints/{v}/`, None otherwise."""
-    m = _CHECKPOINT.fullmatch(key) if isinstance(key, str) else None
-    return (int(m[1]), m[2]) if m else None
+def worker_segment_key(worker: str, segment: int) -> str:
+    return f"{worker_metrics_dir(worker)}{segment:06d}.jsonl"
 
 
-def metrics_dir(role: str, ident: str) -> str:
-    """The folder of one process's metric segments."""
-    if not isinstance(role, str) or not _ROLE.fullmatch(role):
-        raise ValueError(f"invalid role {role!r}: 1-16 lowercase letters")
-    return f"{METRICS}{role}-{check_worker_id(ident)}/"
+def parse_worker_segment(key: str) -> tuple[str, int] | None:
+    """(worker, segment) of a worker's metric segment key, None otherwise."""
+    m = _WORKER_METRICS.fullmatch(key) if isinstance(key, str) else None
+    return (m[1], int(m[2])) if m and m[1] not in RESERVED_IDS else None
 
 
-def metrics_key(role: str, ident: str, segment: int) -> str:
-    return f"{metrics_dir(role, ident)}{segment:06d}.jsonl"
-
-
-def parse_metrics_key(key: str) -> tuple[str, str, int] | None:
-    """(role, id, segment) of a metric segment key; segment -1 for the
-    whole-file `metrics/{role}-{id}.jsonl` of earlier releases; None otherwise."""
-    m = _METRICS.fullmatch(key) if isinstance(key, str) else None
-    return (m[1], m[2], int(m[3]) if m[3] else -1) if m else None
+def inbox_owner(key: str) -> str | None:
+    """The worker a well-formed inbox key belongs to ("" for a claim, which is
+    shared); None for a key that is no inbox key of ours."""
+    if parse_claim_key(key) is not None:
+        return ""
+    if (rollout := parse_rollout_key(key)) is not None:
+        return rollout[1]
+    if (segment := parse_worker_segment(key)) is not None:
+        return segment[0]
+    return parse_heartbeat_key(key)

@@ -111,7 +111,7 @@ def add_gate_stats(total: dict[str, dict], step: dict[str, dict]) -> None:
 
 @dataclass(frozen=True)
 class WorkerRow:
-    """One uploaded batch, by a worker (`metrics/worker-{id}/`)."""
+    """One uploaded batch, by a worker (`{worker}/metrics/` in the inbox)."""
 
     time: float  # when the row was made, seconds since the epoch
     version: int  # the version that made the batch
@@ -128,6 +128,7 @@ class WorkerRow:
     apply_seconds: float = 0.0  # download, patch, hash check (beside generation)
     load_seconds: float = 0.0  # changed tensors into the engine (generation stalls)
     paced_seconds: float = 0.0  # idle: the demand had no slot for the version it runs
+    unverified: int = 0  # documents read that the trainer did not sign (ignored)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

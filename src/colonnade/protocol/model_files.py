@@ -1,9 +1,10 @@
 """The model's files under `model/`: config, tokenizer, generation config.
 
 The trainer uploads them once, when it starts a run (`model_files` picks
-them from its model directory; run.json's `model_files` names them). A
-worker, and the evaluation of a published version, read them back with
-`fetch_model` into a float skeleton whose weights then come from
+them from its model directory; the signed run.json's `model_files` names
+them with their hashes). A worker, and the evaluation of a published
+version, read them back with `fetch_model`, each checked against its hash,
+into a float skeleton whose weights then come from
 `weights/` (docs/protocol.md).
 """
 
@@ -14,12 +15,17 @@ from pathlib import Path
 
 import torch
 
+from colonnade.pulse.hashing import algo_of, digest_bytes
 from colonnade.store import ObjectStore
 
 from . import keys
 from .schemas import RunSpec
 
 MODEL_FILE_LIMIT = 64 << 20  # bytes, one file: written and read under this bound
+
+
+class ModelFileError(ValueError):
+    """A model file that is not the one the trainer published."""
 
 
 def model_files(model_dir: Path) -> dict[str, bytes]:
@@ -39,8 +45,11 @@ def fetch_model(store: ObjectStore, spec: RunSpec):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
-    for name in spec.model_files:
-        (folder / name).write_bytes(store.get(keys.model_file(name), max_bytes=MODEL_FILE_LIMIT))
+    for name, want in spec.model_files.items():
+        data = store.get(keys.model_file(name), max_bytes=MODEL_FILE_LIMIT)
+        if digest_bytes(data, algo_of(want)) != want:
+            raise ModelFileError(f"model/{name} does not hash as the signed run.json says")
+        (folder / name).write_bytes(data)
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)

@@ -1,4 +1,4 @@
-"""Who is in the run: the workers' heartbeats (`workers/{id}.json`)."""
+"""Who is in the run: the workers' heartbeats (`{worker}/heartbeat.json` in the inbox)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
 from . import keys
 from .documents import WorkerHeartbeat, read_document
+from .inbox import Listing, list_inbox
 from .schemas import SchemaError
 
 
-def worker_heartbeats(store: ObjectStore) -> dict[str, WorkerHeartbeat]:
+def worker_heartbeats(
+    inbox: ObjectStore, listing: Listing | None = None
+) -> dict[str, WorkerHeartbeat]:
     """{worker id: heartbeat} of every worker that wrote one; one that does
     not read, or names another worker than its key, is skipped."""
+    listing = listing or list_inbox(inbox)
     out = {}
-    for key in store.list(keys.WORKERS):
-        worker = keys.parse_worker_key(key)
-        if worker is None:
-            continue
+    for worker in sorted(listing.heartbeats):
         try:
-            hb = read_document(store, key, WorkerHeartbeat)
+            hb = read_document(inbox, keys.heartbeat_key(worker), WorkerHeartbeat)
         except StoreUnavailable:
             raise
         except (StoreError, SchemaError):  # too large, not our JSON, not a heartbeat
@@ -28,20 +29,15 @@ def worker_heartbeats(store: ObjectStore) -> dict[str, WorkerHeartbeat]:
     return out
 
 
-def heartbeat_ages(store: ObjectStore, now: float) -> dict[str, float]:
-    """{worker id: seconds since its heartbeat was written}: one listing,
-    however many workers (clocks assumed within a few seconds)."""
-    out = {}
-    for key, t in store.list_times(keys.WORKERS).items():
-        worker = keys.parse_worker_key(key)
-        if worker is not None:
-            out[worker] = now - t
-    return out
+def heartbeat_ages(listing: Listing, now: float) -> dict[str, float]:
+    """{worker id: seconds since its heartbeat was written}, from a listing's
+    store times (clocks assumed within a few seconds)."""
+    return {w: now - t for w, t in listing.heartbeats.items()}
 
 
-def fresh_workers(store: ObjectStore, now: float, timeout: float) -> set[str]:
+def fresh_workers(listing: Listing, now: float, timeout: float) -> set[str]:
     """Workers whose heartbeat was written in the last `timeout` seconds."""
-    return {w for w, age in heartbeat_ages(store, now).items() if age < timeout}
+    return {w for w, age in heartbeat_ages(listing, now).items() if age < timeout}
 
 
 def alive(

@@ -100,12 +100,14 @@ def dumps(doc: dict) -> bytes:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """run.json: everything a worker needs to join, written once by the trainer."""
+    """run.json: everything a worker needs to join, written once by the
+    trainer and signed by it (protocol 7: inside the signed envelope of
+    `protocol.signing`, which carries the protocol version)."""
 
     run_id: str
     env: str
     env_kwargs: dict[str, Any]
-    model_files: list[str]
+    model_files: dict[str, str]  # file name under model/ -> hash of its bytes
     vocab_size: int
     precision: str  # of published weights: int8 | bf16
     group_size: int
@@ -113,22 +115,28 @@ class RunSpec:
     max_lag: int
     anchor_every: int
     sampling: dict[str, Any]
-    signed: bool = False  # rollout objects must carry a registered worker's signature
-    protocol: int = PROTOCOL_VERSION
-    # Groups the trainer takes per version; workers stop making more of a
-    # version once the store holds that many. 0: unknown (run.json written
-    # before this field existed, which is still read): no pacing.
+    trainer_key: str  # the trainer's public key (hex): it signs what workers act on
+    signed: bool = False  # rollout objects and claims must carry a registered worker's signature
+    # Groups the trainer takes per version (workers pace by the demand; informational).
     groups_per_step: int = 0
+    # Where workers write: "" for the `inbox/` folder of the run's store, else
+    # a store URL of its own (a second bucket, docs/security.md).
+    inbox: str = ""
+    inbox_endpoint_url: str | None = None  # its S3 endpoint; None: the reader's own
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def to_json(self) -> bytes:
-        return dumps(asdict(self))
+        return dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, data: bytes) -> RunSpec:
-        d = loads(data)
-        if not (_int(d.get("protocol")) and d["protocol"] == PROTOCOL_VERSION):
-            raise _mismatch("run.json", d.get("protocol"), _RUN_HINT)
-        d = {"groups_per_step": 0, **d}  # absent from run.json files of earlier releases
+        return cls.from_dict(loads(data))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RunSpec:
+        _need(isinstance(d, dict), "run.json is not an object")
         _same_fields(cls, d, "run.json")
         _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
         try:  # the check every side runs: JSON types, bounded
@@ -137,8 +145,9 @@ class RunSpec:
             raise SchemaError(str(e)) from None
         files = d["model_files"]
         _need(
-            isinstance(files, list) and all(isinstance(f, str) and "/" not in f for f in files),
-            "model_files: list of file names",
+            isinstance(files, dict)
+            and all(isinstance(f, str) and "/" not in f and is_hash(h) for f, h in files.items()),
+            "model_files: {file name: hash}",
         )
         _need(d["precision"] in ("int8", "bf16"), "precision: int8 or bf16")
         for k in ("vocab_size", "group_size", "groups_per_batch", "anchor_every"):
@@ -147,6 +156,10 @@ class RunSpec:
         _need(_int(d["groups_per_step"], 0), "groups_per_step: integer >= 0")
         _need(isinstance(d["sampling"], dict), "sampling: object")
         _need(isinstance(d["signed"], bool), "signed: boolean")
+        _need(isinstance(d["trainer_key"], str) and len(d["trainer_key"]) == 64, "trainer_key: hex")
+        _need(isinstance(d["inbox"], str) and len(d["inbox"]) <= 1024, "inbox: a store URL or ''")
+        ep = d["inbox_endpoint_url"]
+        _need(ep is None or (isinstance(ep, str) and len(ep) <= 1024), "inbox_endpoint_url")
         return cls(**d)
 
 
@@ -174,6 +187,9 @@ class VersionMeta:
     def kind(self) -> str:
         """ "full" for an anchor version, else "patch"."""
         return "full" if self.anchor_bytes else "patch"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def to_json(self) -> bytes:
         return dumps(asdict(self))
@@ -254,12 +270,19 @@ class Latest:
     # seen two versions of its own. None until two versions were published.
     version_seconds: float | None = None
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def to_json(self) -> bytes:
         return dumps(asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes) -> Latest:
-        d = loads(data)
+        return cls.from_dict(loads(data))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Latest:
+        _need(isinstance(d, dict), "latest.json is not an object")
         _same_fields(cls, d, "latest.json")
         meta = VersionMeta.from_dict(d["meta"])
         _need(_int(d["version"]) and meta.version == d["version"], "version: its meta's")

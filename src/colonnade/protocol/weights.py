@@ -9,10 +9,16 @@ never downloads an anchor while it keeps up; it starts over from the newest
 anchor when it joins, is more than K behind, or a patch does not rebuild to
 the hash that `meta.json` promises. It never holds a state whose hash
 differs from the meta.
+
+Every meta.json and latest.json is signed by the trainer (protocol 7): a
+follower reads them through the `Trust` it pinned, so a document anyone
+else wrote is a damaged version, never an installed one; and the payloads
+are checked against the signed hashes.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 import time
@@ -29,8 +35,12 @@ from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
+from .documents import sealed
 from .polling import moving_gap
 from .schemas import MAX_JSON_BYTES, Demand, Latest, SchemaError, VersionMeta
+from .signing import Signer, Trust
+
+log = logging.getLogger("colonnade.trainer")
 
 State = Mapping[str, torch.Tensor]
 
@@ -49,9 +59,15 @@ class Publisher:
     """Trainer side: turns successive float states into published versions."""
 
     def __init__(
-        self, store: ObjectStore, precision: str, anchor_every: int, hash_algo: str = "blake3"
+        self,
+        store: ObjectStore,
+        signer: Signer,
+        precision: str,
+        anchor_every: int,
+        hash_algo: str = "blake3",
     ):
         self.store, self.precision, self.anchor_every = store, precision, anchor_every
+        self.signer = signer
         self.hash_algo = hash_algo  # of new versions' state and payload hashes
         self.last: dict[str, torch.Tensor] | None = None  # prepared state of `version`
         self.last_hash: str | None = None
@@ -67,6 +83,7 @@ class Publisher:
         # latest.json is written by the publication (a background job) and
         # by the trainer's main thread when the demand changes mid-version.
         self._pointing = threading.Lock()
+        self.latest_bytes: bytes | None = None  # latest.json as last written here
 
     def adopt(self, version: int, prepared: dict[str, torch.Tensor], state_hash: str) -> None:
         """Continue after `version`, whose prepared state is already published."""
@@ -115,9 +132,17 @@ class Publisher:
             created=time.time(),
             **sizes,
         )
-        if not self.store.put_if_absent(keys.meta_key(v), meta.to_json()):
+        key = keys.meta_key(v)
+        if not self.store.put_if_absent(key, sealed(self.signer, key, meta)):
             # A retry after an outage may find its own earlier write: same state, fine.
-            existing = read_meta(self.store, v)
+            try:
+                existing = read_meta(self.store, v, self.signer.trust)
+            except SchemaError as e:
+                # Not ours (a writer with the workers' credentials squatted
+                # the key): no worker would take it, so it is overwritten.
+                log.warning("%s was written by someone else (%s): overwritten", key, e)
+                self.store.put(key, sealed(self.signer, key, meta))
+                existing = meta
             if existing is None or existing.state_hash != state_hash:
                 raise VersionError(f"version {v} is already published: is another trainer running?")
         with self._pointing:
@@ -153,43 +178,84 @@ class Publisher:
 
     def _point(self, done: bool) -> None:
         if self.meta is None and self.version is not None:
-            self.meta = read_meta(self.store, self.version)
+            self.meta = read_meta(self.store, self.version, self.signer.trust)
         if self.meta is not None:
             demand = None if done else self.demand
             gap = None if self.version_seconds is None else round(self.version_seconds, 3)
             latest = Latest(self.meta.version, self.meta, done, self.quarantined, demand, gap)
-            self.store.put(keys.LATEST, latest.to_json())
+            self.latest_bytes = sealed(self.signer, keys.LATEST, latest)
+            self.store.put(keys.LATEST, self.latest_bytes)
+
+    def guard(self) -> bool:
+        """latest.json as this trainer last wrote it, written again if anyone
+        replaced or removed it; whether it had to be."""
+        with self._pointing:
+            mine = self.latest_bytes
+            if mine is None:
+                return False
+            try:
+                if self.store.get(keys.LATEST, max_bytes=len(mine)) == mine:
+                    return False
+            except (NotFound, ObjectTooLarge):
+                pass
+            self.store.put(keys.LATEST, mine)
+            return True
 
 
-def read_meta(store: ObjectStore, v: int) -> VersionMeta | None:
+def _signed(store: ObjectStore, key: str, cls, trust: Trust):
+    """The trainer's document at `key` (None where missing); SchemaError
+    (SignatureRejected among them) for one that does not read or verify."""
     try:
-        return VersionMeta.from_json(store.get(keys.meta_key(v), max_bytes=MAX_JSON_BYTES))
+        data = store.get(key, max_bytes=MAX_JSON_BYTES)
     except NotFound:
         return None
+    except ObjectTooLarge as e:
+        raise SchemaError(f"{key}: {e}") from None
+    return cls.from_dict(trust.open(key, data))
 
 
-def read_latest(store: ObjectStore) -> Latest | None:
-    """weights/latest.json, or None where it is missing or damaged."""
-    try:
-        return Latest.from_json(store.get(keys.LATEST, max_bytes=MAX_JSON_BYTES))
-    except (NotFound, SchemaError):
-        return None
+def read_meta(store: ObjectStore, v: int, trust: Trust) -> VersionMeta | None:
+    """weights/{v}/meta.json, None where missing; SchemaError where it is not
+    the trainer's (bad signature included) or not of version v."""
+    meta = _signed(store, keys.meta_key(v), VersionMeta, trust)
+    if meta is not None and meta.version != v:
+        raise SchemaError(f"{keys.meta_key(v)} describes version {meta.version}")
+    return meta
 
 
-def latest_version(store: ObjectStore) -> int | None:
+def read_latest(store: ObjectStore, trust: Trust) -> Latest | None:
+    """weights/latest.json, None where missing; SchemaError where it does not
+    read or verify."""
+    return _signed(store, keys.LATEST, Latest, trust)
+
+
+def latest_version(store: ObjectStore, trust: Trust) -> int | None:
     """The newest published version, for certain: the pointer in latest.json,
     then probing forward (a pointer write can fail after its meta.json).
-    Workers poll `read_latest` alone, one request."""
-    latest = read_latest(store)
+    Only what the trainer signed counts. Workers poll `read_latest` alone."""
+    try:
+        latest = read_latest(store, trust)
+    except SchemaError:
+        latest = None
     v = latest.version if latest is not None else None
     if v is None:
-        found = [v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None]
-        if not found:
+        found = sorted(
+            {v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None},
+            reverse=True,
+        )
+        v = next((u for u in found if _readable(store, u, trust)), None)
+        if v is None:
             return None
-        v = max(found)
-    while store.exists(keys.meta_key(v + 1)):
+    while _readable(store, v + 1, trust):
         v += 1
     return v
+
+
+def _readable(store: ObjectStore, v: int, trust: Trust) -> bool:
+    try:
+        return read_meta(store, v, trust) is not None
+    except SchemaError:
+        return False
 
 
 def _payload(store: ObjectStore, key: str, size: int, digest: str) -> bytes:
@@ -240,12 +306,13 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
 class Follower:
     """Worker side: the newest published state, rebuilt and verified."""
 
-    def __init__(self, store: ObjectStore, anchor_every: int, in_place: bool = True):
+    def __init__(self, store: ObjectStore, anchor_every: int, trust: Trust, in_place: bool = True):
         """in_place: patches rebuild the state inside its own tensors (no
         second copy of the state while applying; a patch that fails is undone
         first); whoever reads `state` must then copy what it keeps (the
         engines do). Off: each patch builds a new state beside the old."""
         self.store, self.anchor_every, self.in_place = store, anchor_every, in_place
+        self.trust = trust
         self.state: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
         self.state_hash: str | None = None
@@ -257,11 +324,11 @@ class Follower:
         if self._known is not None and self._known.version == v:
             return self._known
         try:
-            meta = read_meta(self.store, v)
+            meta = read_meta(self.store, v, self.trust)
         except SchemaError as e:
-            # Damage, like a bad payload: the worker's bounded retries apply,
-            # where a SchemaError would have ended it at once.
-            raise VersionError(f"version {v}: meta.json is damaged ({e})") from None
+            # Damage or forgery, like a bad payload: the worker retries, where
+            # a SchemaError would have ended it at once.
+            raise VersionError(f"version {v}: meta.json does not verify ({e})") from None
         if meta is None:
             raise VersionError(f"version {v} has no meta.json")
         return meta
@@ -306,7 +373,7 @@ class Follower:
 
         `known`: a meta.json already read (latest.json carries the newest), so
         a follower one version behind reads the patch and nothing else."""
-        target = latest_version(self.store) if target is None else target
+        target = latest_version(self.store, self.trust) if target is None else target
         if target is None or target == self.version:
             return False
         self._known = known

@@ -1,13 +1,20 @@
 """The rollout worker: follow the newest weights, generate groups, upload them.
 
-A worker knows only the store URL. It reads `run.json` (environment,
-sampling, group size, precision), fetches the model's config and tokenizer
-from `model/`, then loops: sync to the newest version (patches in order,
-verified by hash), claim a slot of the trainer's demand for that version
-(`claims/{v}/{slot}`, put-if-absent; the demand comes with latest.json),
-run `groups_per_batch` tasks × `group_size` episodes with the int8 engine
-(`make_batch`, the one method a simulated worker replaces), upload the
-batch under `rollouts/{v}/{worker}/{seq}`, and heartbeat. With no slot to
+A worker knows only the store URL (and, best, the trainer's key: `--trust`).
+It reads `run.json` (environment, sampling, group size, precision, the
+trainer's key and the inbox), fetches the model's config and tokenizer from
+`model/` (checked against run.json's hashes), then loops: sync to the
+newest version (patches in order, verified by hash), claim a slot of the
+trainer's demand for that version (`claims/{v}/{slot}` in the inbox,
+put-if-absent; the demand comes with latest.json), run `groups_per_batch`
+tasks × `group_size` episodes with the int8 engine (`make_batch`, the one
+method a simulated worker replaces), upload the batch under
+`{worker}/rollouts/{v}/{seq}` in the inbox, and heartbeat.
+
+Everything the worker acts on is signed by the trainer's key; a document
+that does not verify is ignored and counted (`unverified`, one log line per
+kind), never acted on: no exit, no install, no quarantine. The version it
+runs never goes backwards. It writes only to the inbox. With no slot to
 claim it waits for latest.json to change, at the pace of the versions: the
 fleet makes what the trainer will take (train/demand.py), not more. It
 stops when the trainer writes `trainer/done.json`, or on SIGTERM / Ctrl-C
@@ -44,12 +51,26 @@ from colonnade.protocol import (
     keys,
     read_latest,
 )
-from colonnade.protocol.documents import Claim, Quarantine, WorkerHeartbeat, read_document
+from colonnade.protocol.documents import (
+    Claim,
+    Quarantine,
+    WorkerHeartbeat,
+    open_claim,
+    read_signed,
+    seal_claim,
+)
+from colonnade.protocol.inbox import open_inbox
 from colonnade.protocol.metrics import WorkerRow
-from colonnade.protocol.model_files import fetch_model
+from colonnade.protocol.model_files import ModelFileError, fetch_model
 from colonnade.protocol.polling import idle_delay, moving_gap
-from colonnade.protocol.schemas import MAX_JSON_BYTES, Latest, SchemaError
-from colonnade.protocol.signing import load_private, sign
+from colonnade.protocol.schemas import MAX_JSON_BYTES, Latest, ProtocolMismatch, SchemaError
+from colonnade.protocol.signing import (
+    Trust,
+    load_private,
+    read_run_envelope,
+    sign,
+    trusted_fingerprint,
+)
 from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.store.retry import backoff
 from colonnade.telemetry import Exporter, Telemetry
@@ -91,17 +112,36 @@ class Stop:
         signal.signal(signal.SIGINT, handler)
 
 
-def wait_for_run(store: ObjectStore, timeout: float, poll: float) -> RunSpec:
-    t0, said = time.monotonic(), False
+def wait_for_run(
+    store: ObjectStore, timeout: float, poll: float, trusted: str | None
+) -> tuple[RunSpec, Trust]:
+    """run.json, signed by the key of fingerprint `trusted` (None: whichever
+    key signs it; the caller pins it). A run.json that does not verify is
+    waited past (the trainer writes its own again), up to `timeout`."""
+    t0, said = time.monotonic(), set()
     while True:
         try:
-            return RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
-        except NotFound:
-            if not said:
-                log.info("waiting for run.json under %s (up to %.0f s)", store.url, timeout)
-                said = True
+            doc, trust = read_run_envelope(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES), trusted)
+            return RunSpec.from_dict(doc), trust
+        except ProtocolMismatch:
+            raise
+        except (NotFound, SchemaError) as e:
+            why = "missing" if isinstance(e, NotFound) else "unverified"
+            if why not in said:
+                if why == "missing":
+                    log.info("waiting for run.json under %s (up to %.0f s)", store.url, timeout)
+                else:
+                    log.warning(
+                        "run.json under %s does not verify (%s): ignored, waiting for "
+                        "the trainer's",
+                        store.url,
+                        e,
+                    )
+                said.add(why)
             if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"no run.json under {store.url} after {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"no run.json signed by the trainer under {store.url} after {timeout:.0f} s"
+                ) from None
             time.sleep(poll)
 
 
@@ -118,17 +158,28 @@ class Worker:
             cfg.id or key_worker or f"{socket.gethostname()}-{os.getpid()}"
         )
         self.engine_kind = resolve_engine(cfg.engine)  # before joining: fail fast
-        self.store = store or open_store(cfg.store, endpoint_url=cfg.endpoint_url)
+        # Before joining too: a --trust that names no key fails at once.
+        self.trusted = trusted_fingerprint(cfg.trust) if cfg.trust else None
+        self.store = store or open_store(
+            cfg.store, endpoint_url=cfg.endpoint_url, profile=cfg.profile
+        )
+        self.inbox: ObjectStore | None = None  # where this worker writes, from run.json
         self.stop = Stop()
         self.seq = 0
         self.batches = 0
-        exporter = Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
-        self.telemetry = Telemetry(self.store, "worker", self.id, 10.0, exporter)
-        self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0}
+        self.exporter = (
+            Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
+        )
+        self.telemetry: Telemetry | None = None
+        self.pending = {"sync_bytes": 0, "store_errors": 0, "store_retries": 0, "unverified": 0}
+        self._unverified_said: set[str] = set()  # kinds of document logged once
         # sync = apply (download, patch, hash) + load (the changed tensors into the engine)
         self.pending_time = {
-            "sync_seconds": 0.0, "apply_seconds": 0.0, "load_seconds": 0.0, "paced_seconds": 0.0
-        }  # fmt: skip
+            "sync_seconds": 0.0,
+            "apply_seconds": 0.0,
+            "load_seconds": 0.0,
+            "paced_seconds": 0.0,
+        }
         self.refused: set[str] = set()  # quarantined workers, read at each new version
         self.version_gap: float | None = None  # seconds between versions (moving average)
         self._synced_at = 0.0
@@ -151,14 +202,30 @@ class Worker:
         self._beat = 0.0  # when the last heartbeat went up
 
     def setup(self) -> None:
-        self.spec = wait_for_run(self.store, self.cfg.join_timeout, self.cfg.poll_seconds)
+        self.spec, self.trust = wait_for_run(
+            self.store, self.cfg.join_timeout, self.cfg.poll_seconds, self.trusted
+        )
+        if self.trusted is None:
+            log.warning(
+                "no --trust: pinned the key that signed run.json, %s; pass --trust "
+                "with the trainer's key or fingerprint to be sure",
+                self.trust.fingerprint,
+            )
+            self.trusted = self.trust.fingerprint
+        self.inbox = open_inbox(
+            self.store,
+            self.spec,
+            endpoint_url=self.cfg.endpoint_url,
+            profile=self.cfg.inbox_profile or self.cfg.profile,
+        )
+        self.telemetry = Telemetry.for_worker(self.inbox, self.id, 10.0, self.exporter)
         if self.spec.signed and self.private is None:
             raise ValueError(
                 "this run takes only signed batches: make a key with `colonnade keys new`, "
                 "have the operator register the .pub file, and pass --key"
             )
         self.env = load_environment(self.spec.env, **self.spec.env_kwargs)
-        model, self.tok = fetch_model(self.store, self.spec)  # config and tokenizer only
+        model, self.tok = self._fetch_model()  # config and tokenizer only
         # Before any weights: an engine that cannot run this architecture says
         # so in one line (and `auto` picks one that can).
         self.engine_kind = resolve_engine(self.cfg.engine, model.config.model_type)
@@ -168,9 +235,22 @@ class Worker:
         s = dict(self.spec.sampling)
         s["stop"] = tuple(s.get("stop", ()))
         self.params = SamplingParams(**s)
-        self.follower = Follower(self.store, self.spec.anchor_every)
+        self.follower = Follower(self.store, self.spec.anchor_every, self.trust)
         self.tasks = list(self.env.tasks("train"))
         self.started = time.time()
+
+    def _fetch_model(self):
+        """The model's config and tokenizer, as run.json hashes them: a file
+        someone else replaced is waited past (the trainer puts its own back)."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return fetch_model(self.store, self.spec)
+            except (ModelFileError, NotFound) as e:
+                self.unverified("a model file", e)
+                if time.monotonic() - t0 > self.cfg.join_timeout:
+                    raise TimeoutError(f"model files not as run.json says: {e}") from None
+                time.sleep(self.cfg.poll_seconds)
 
     def _load_weights(self) -> None:
         """The follower's state into the engine: the first time built, then
@@ -178,9 +258,15 @@ class Worker:
         state, version = self.follower.state, self.follower.version
         if self.engine is None:
             self.engine = engine_for(
-                self.model, self.tok, state, self.spec.precision, self.device,
-                self.engine_kind, version, self.aliases,
-            )  # fmt: skip
+                self.model,
+                self.tok,
+                state,
+                self.spec.precision,
+                self.device,
+                self.engine_kind,
+                version,
+                self.aliases,
+            )
         else:
             changed = {k for k, t in state.items() if self._loaded.get(k) is not t}
             refresh(self.engine, state, self.aliases, self.spec.precision, changed, version)
@@ -196,11 +282,27 @@ class Worker:
         """The version the engine generates with (None before the first)."""
         return self.engine.version if self.engine is not None else self.follower.version
 
+    def unverified(self, kind: str, error: Exception) -> None:
+        """A document that the trainer did not sign: counted, logged once per kind."""
+        self.pending["unverified"] += 1
+        if kind not in self._unverified_said:
+            self._unverified_said.add(kind)
+            log.warning("ignored %s: not signed by the trainer's key (%s)", kind, error)
+
     def _poll(self):
-        """weights/latest.json: the one request a waiting worker makes."""
-        latest = read_latest(self.store)
-        if latest is not None:
-            self.pointer = latest
+        """weights/latest.json: the one request a waiting worker makes. One
+        that does not verify, or names an older version than one seen, is
+        ignored (None)."""
+        try:
+            latest = read_latest(self.store, self.trust)
+        except SchemaError as e:
+            self.unverified("latest.json", e)
+            return None
+        if latest is None:
+            return None
+        if self.pointer is not None and latest.version < self.pointer.version:
+            return None  # an old pointer put back: versions never go backwards
+        self.pointer = latest
         return latest
 
     def _fetch(self, latest: Latest) -> None:
@@ -260,8 +362,13 @@ class Worker:
         read = self.follower.bytes_read
         self.pending["sync_bytes"] += read - self._bytes_counted
         self._bytes_counted = read
-        log.info("now running v%d (was %s; apply %.2f s beside generation, load %.2f s)",
-                 self.running_version, before, apply_seconds, load)  # fmt: skip
+        log.info(
+            "now running v%d (was %s; apply %.2f s beside generation, load %.2f s)",
+            self.running_version,
+            before,
+            apply_seconds,
+            load,
+        )
 
     def make_batch(self) -> RolloutBatch:
         v = self.engine.version
@@ -294,9 +401,9 @@ class Worker:
             key = keys.rollout_key(batch.version, self.id, self.seq)
             data = encode_batch(batch)
             if self.private is not None:
-                data = sign(self.private, key, data)
+                data = sign(self.private, self.spec.run_id, key, data)
             self.seq += 1
-            if self.store.put_if_absent(key, data):  # a restarted worker skips used seqs
+            if self.inbox.put_if_absent(key, data):  # a restarted worker skips used seqs
                 return key
 
     def heartbeat(self) -> None:
@@ -313,7 +420,7 @@ class Worker:
             time=time.time(),
             started=self.started,
         )
-        self.store.put(keys.worker_key(self.id), hb.to_json())
+        self.inbox.put(keys.heartbeat_key(self.id), hb.to_json())
         self._beat = time.monotonic()
 
     def done(self) -> bool:
@@ -323,9 +430,10 @@ class Worker:
     def read_quarantine(self) -> set[str]:
         """The workers the trainer refuses; raises Quarantined if this is one."""
         try:
-            found = read_document(self.store, keys.QUARANTINE, Quarantine)
-        except SchemaError:
-            return set()
+            found = read_signed(self.store, keys.QUARANTINE, Quarantine, self.trust)
+        except SchemaError as e:
+            self.unverified("quarantine.json", e)
+            return self.refused
         decisions = found.decisions if found is not None else {}
         if self.id in decisions:
             raise Quarantined(
@@ -353,8 +461,9 @@ class Worker:
         v = self.running_version
         for slot in random.sample(free, min(CLAIM_TRIES, len(free))):
             key = keys.claim_key(v, slot)
+            claim = seal_claim(self.private, self.spec.run_id, key, Claim(self.id, time.time()))
             try:
-                won = self.store.put_if_absent(key, Claim(self.id, time.time()).to_json())
+                won = self.inbox.put_if_absent(key, claim)
             except StoreError:
                 # Not marked taken: the slot stays this worker's to try again
                 # once the store answers (marking it would leave a worker that
@@ -371,10 +480,12 @@ class Worker:
     def _mine(self, key: str) -> bool:
         """Whether the claim at `key` is this worker's (a put that failed but landed)."""
         try:
-            found = read_document(self.store, key, Claim)
-        except SchemaError:
+            found = open_claim(
+                self.inbox.get(key, max_bytes=Claim.MAX_BYTES), key, self.spec.run_id, None
+            )
+        except (NotFound, SchemaError):
             return False
-        return found is not None and found.worker == self.id
+        return found.worker == self.id
 
     def wait_for_work(self) -> None:
         """Nothing to make: wait until latest.json changes (a new version, new
@@ -383,17 +494,18 @@ class Worker:
         seen, t0, polls = self.pointer, time.monotonic(), 0
         try:
             while not self.stop.requested:
-                delay = idle_delay(self.pace(), self._since_version(), polls,
-                                   self.cfg.poll_seconds)  # fmt: skip
+                delay = idle_delay(self.pace(), self._since_version(), polls, self.cfg.poll_seconds)
                 self._nap(delay)
                 if self.stop.requested:
                     return
                 latest = self._poll()
                 polls += 1
                 if latest is not None and (
-                    seen is None or latest.done or latest.version != seen.version
+                    seen is None
+                    or latest.done
+                    or latest.version != seen.version
                     or latest.demand != seen.demand
-                ):  # fmt: skip
+                ):
                     return
         finally:
             self.pending_time["paced_seconds"] += time.monotonic() - t0
@@ -479,7 +591,8 @@ class Worker:
                     self.heartbeat()  # the last word: version and batches as they ended
                 except StoreError as e:
                     log.warning("last heartbeat not written: %s", e)
-            self.telemetry.flush()
+            if self.telemetry is not None:
+                self.telemetry.flush()
         log.info("worker %s: %d batches uploaded", self.id, self.batches)
         return 0
 
@@ -495,11 +608,13 @@ class Worker:
                 self.iteration()
                 attempt = 0
             except (StoreError, VersionError) as e:
-                # NotFound and VersionError here mean a version vanished or
-                # does not verify: worth a few retries, not an endless loop.
-                if isinstance(e, NotFound | VersionError) and attempt > 5:
-                    raise
-                self.pending["store_errors"] += 1
+                # A version that vanished or does not verify may be a forgery
+                # in a store others can write: the trainer puts its own back,
+                # so the worker waits (backing off to 30 s), never exits.
+                if isinstance(e, VersionError):
+                    self.unverified("a version", e)
+                else:
+                    self.pending["store_errors"] += 1
                 self.pending["store_retries"] += 1
-                backoff(log, "worker loop", attempt, e)
+                backoff(log, "worker loop", min(attempt, 6), e)
                 attempt += 1

@@ -42,9 +42,12 @@ __all__ = [
 ]
 
 
-def open_store(url: str, *, endpoint_url: str | None = None, **kw) -> ObjectStore:
+def open_store(
+    url: str, *, endpoint_url: str | None = None, profile: str | None = None, **kw
+) -> ObjectStore:
     """A store for a URL; endpoint_url (or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL)
-    points s3:// at R2, MinIO or another S3-compatible service."""
+    points s3:// at R2, MinIO or another S3-compatible service; `profile` names
+    the credentials (~/.aws/credentials) for s3:// (default: the environment's)."""
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and os.name == "nt"):
         path = unquote(parsed.path) if parsed.scheme == "file" else url
@@ -59,7 +62,9 @@ def open_store(url: str, *, endpoint_url: str | None = None, **kw) -> ObjectStor
             or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
         )
-        return S3Store(parsed.netloc, parsed.path.strip("/"), endpoint_url=endpoint, **kw)
+        return S3Store(
+            parsed.netloc, parsed.path.strip("/"), endpoint_url=endpoint, profile=profile, **kw
+        )
     raise ValueError(
         f"unsupported store URL {url!r}: use a path, file:///path or s3://bucket/prefix"
     )

@@ -112,6 +112,11 @@ class ObjectStore(ABC):
         """Remove unfinished uploads under `prefix` begun before `before` (epoch
         seconds), which a killed writer leaves behind unseen; how many."""
 
+    def sub(self, prefix: str) -> ObjectStore:
+        """The same store under `prefix` (a folder of this one): the inbox
+        when it has no bucket of its own."""
+        raise NotImplementedError(f"{type(self).__name__} has no sub-stores")
+
     def exists(self, key: str) -> bool:
         from .errors import NotFound
 

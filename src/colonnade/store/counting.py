@@ -24,6 +24,12 @@ class Counting(ObjectStore):
     def url(self) -> str:
         return self.inner.url
 
+    def sub(self, prefix: str) -> Counting:
+        """Counted under the same `counts`: one role's requests, both stores."""
+        out = Counting(self.inner.sub(prefix))
+        out.counts = self.counts
+        return out
+
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         self.counts["get"] += 1
         return self.inner.get(key, max_bytes=max_bytes)

@@ -45,6 +45,13 @@ class LocalStore(ObjectStore):
     def url(self) -> str:
         return self.root.as_uri()
 
+    def sub(self, prefix: str) -> LocalStore:
+        return LocalStore(
+            self.root / check_key(prefix.strip("/")),
+            max_put_bytes=self.max_put_bytes,
+            multipart_bytes=self.multipart_bytes,
+        )
+
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 

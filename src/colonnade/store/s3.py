@@ -18,6 +18,7 @@ incomplete multipart uploads does the same for prefixes nobody cleans).
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class S3Store(ObjectStore):
         read_timeout: float = 30,
         max_attempts: int = 5,
         list_page_size: int = 1000,
+        profile: str | None = None,
         **kw: int,
     ) -> None:
         super().__init__(**kw)
@@ -73,7 +75,10 @@ class S3Store(ObjectStore):
             # Local servers (MinIO, SeaweedFS) have no per-bucket DNS names.
             s3={"addressing_style": "path"} if endpoint_url else {},
         )
-        self.client = boto3.session.Session().client(
+        # A named profile (~/.aws/credentials): a worker may hold one
+        # credential for the run's bucket and another for its inbox.
+        self.profile = profile
+        self.client = boto3.session.Session(profile_name=profile).client(
             "s3", endpoint_url=endpoint_url, region_name=region or "us-east-1", config=config
         )
         self.transfer = TransferConfig(
@@ -81,6 +86,11 @@ class S3Store(ObjectStore):
             multipart_chunksize=self.multipart_bytes,
             max_concurrency=4,
         )
+
+    def sub(self, prefix: str) -> S3Store:
+        out = copy.copy(self)  # the same client and settings
+        out.prefix = "/".join(p for p in (self.prefix, check_key(prefix.strip("/"))) if p)
+        return out
 
     @property
     def url(self) -> str:

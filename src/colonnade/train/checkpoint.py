@@ -3,10 +3,13 @@
 A checkpoint of version v is `trainer/checkpoints/{v}/`: one safetensors
 shard per rank and `state.json`, which rank 0 writes last, with
 put-if-absent, once every rank's shard is up; a checkpoint without it is
-ignored. Shards are DCP's HuggingFace storage format: each rank's slices of
-every tensor, the slices' offsets in the file's JSON header. No pickle
-anywhere (DCP's default format pickles its metadata), so a checkpoint is
-data, never code.
+ignored. state.json is signed by the trainer and holds each shard's size
+and hash (each rank hashes its own and leaves the hash beside the shard):
+a resume takes only a checkpoint whose state verifies and whose shards
+hash as it says, and falls back to an older one otherwise. Shards are
+DCP's HuggingFace storage format: each rank's slices of every tensor, the
+slices' offsets in the file's JSON header. No pickle anywhere (DCP's
+default format pickles its metadata), so a checkpoint is data, never code.
 
 What is saved: the fp32 master weights and AdamW's moments and step
 counts. Not the learning rate, which the trainer sets every step from the
@@ -33,7 +36,10 @@ from pathlib import Path
 import torch
 
 from colonnade.protocol import keys
-from colonnade.store import NotFound, ObjectStore
+from colonnade.protocol.schemas import SchemaError, loads
+from colonnade.protocol.signing import Signer, Trust, read_envelope
+from colonnade.pulse.hashing import digest_file
+from colonnade.store import NotFound, ObjectStore, StoreError
 
 from .distributed import Dist
 from .policy import PREFIX
@@ -95,6 +101,7 @@ class Checkpointer:
     where: Dist
     staging: Path  # a local folder with room for one checkpoint
     aliases: dict[str, str]  # tied parameter names, saved once
+    signer: Signer | None = None  # rank 0's: signs state.json
 
     def save(self, version: int, facts: dict | None = None) -> None:
         """Collective: every rank saves and uploads its shard; rank 0 commits."""
@@ -110,17 +117,20 @@ class Checkpointer:
         prefix = keys.checkpoint_dir(version)
         for f in sorted(local.glob("*.safetensors")):
             store.put_file(prefix + f.name, f)
+            digest = {"bytes": f.stat().st_size, "hash": digest_file(f, HASH)}
+            store.put(prefix + f.name + HASH_SUFFIX, json.dumps(digest).encode())
         shutil.rmtree(local, ignore_errors=True)
         where.barrier()  # every shard is up
         if where.leader:
             shards = {
-                k.rsplit("/", 1)[1]: store.size(k)
+                k.rsplit("/", 1)[1]: _shard_digest(store, k)
                 for k in store.list(prefix)
                 if k.endswith(".safetensors")
             }
             doc = {**(facts or {}), "version": version, "format": FORMAT, "ranks": where.world,
                    "shards": shards}  # fmt: skip
-            store.put_if_absent(keys.checkpoint_state_key(version), json.dumps(doc).encode())
+            key = keys.checkpoint_state_key(version)
+            store.put_if_absent(key, self.signer.seal(key, doc))
 
     def load(self, version: int) -> dict:
         """Collective: restore weights and AdamW state in place; the saved state.json."""
@@ -128,12 +138,13 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         store, where, staging = self.store, self.where, self.staging
-        state = read_state(store, version)
+        # Rank 0 chose this checkpoint because its state verified; ranks on
+        # other machines may hold no copy of the key and take its word.
+        state = read_state(store, version, self.signer.trust if self.signer else None)
         local = staging_dir(staging, store, f"load-{version:08d}")
         if where.local_rank == 0:
             shutil.rmtree(local, ignore_errors=True)
-            for name, size in state["shards"].items():
-                store.get_file(keys.checkpoint_dir(version) + name, local / name, max_bytes=size)
+            fetch_shards(store, version, state, local)
         where.barrier()
         sd, groups = _state_dicts(self.policy, self.opt, self.aliases)
         reader = dcp.HuggingFaceStorageReader(str(local))
@@ -156,21 +167,73 @@ class Checkpointer:
         return state
 
 
-def latest_checkpoint(store: ObjectStore) -> int | None:
+HASH = "blake3"
+HASH_SUFFIX = ".hash.json"  # beside each shard: its size and hash, from the rank that wrote it
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, not the trainer's, or damaged."""
+
+
+def _shard_digest(store: ObjectStore, key: str) -> dict:
+    doc = loads(store.get(key + HASH_SUFFIX, max_bytes=4096))
+    return {"bytes": int(doc["bytes"]), "hash": str(doc["hash"])}
+
+
+def fetch_shards(store: ObjectStore, version: int, state: dict, local: Path) -> None:
+    """Download a checkpoint's shards into `local`, each checked against state.json."""
+    for name, want in state["shards"].items():
+        path = local / name
+        store.get_file(keys.checkpoint_dir(version) + name, path, max_bytes=want["bytes"])
+        if digest_file(path, HASH) != want["hash"]:
+            raise CheckpointError(f"checkpoint v{version}: {name} does not hash as state.json says")
+
+
+def checkpoints(store: ObjectStore) -> list[int]:
+    """Versions with a state.json, newest first (verified or not)."""
     found = (keys.parse_checkpoint_key(k) for k in store.list(keys.CHECKPOINTS))
-    return max((p[0] for p in found if p is not None and p[1] == STATE), default=None)
+    return sorted({p[0] for p in found if p is not None and p[1] == STATE}, reverse=True)
 
 
-def read_state(store: ObjectStore, version: int) -> dict:
+def latest_checkpoint(store: ObjectStore, trust: Trust) -> int | None:
+    """The newest checkpoint whose state.json the trainer signed; one that does
+    not verify is named in one warning and passed over."""
+    for v in checkpoints(store):
+        try:
+            read_state(store, v, trust)
+            return v
+        except CheckpointError as e:
+            log.warning("%s; an older checkpoint is used (delete %s to silence this)", e,
+                        keys.checkpoint_dir(v))  # fmt: skip
+    return None
+
+
+def read_state(store: ObjectStore, version: int, trust: Trust | None) -> dict:
+    """A checkpoint's state.json; its signature checked against `trust`
+    (None: taken as it is). CheckpointError otherwise."""
+    key = keys.checkpoint_state_key(version)
     try:
-        state = json.loads(store.get(keys.checkpoint_state_key(version), max_bytes=1 << 20))
+        data = store.get(key, max_bytes=1 << 20)
+        env = read_envelope(data, key)
+        state = trust.open(key, data) if trust is not None else env["doc"]
     except NotFound:
-        raise RuntimeError(f"checkpoint v{version} is incomplete (no {STATE})") from None
+        raise CheckpointError(f"checkpoint v{version} is incomplete (no {STATE})") from None
+    except (SchemaError, StoreError) as e:
+        raise CheckpointError(
+            f"checkpoint v{version}: {STATE} is not the trainer's ({e})"
+        ) from None
     if state.get("format") != FORMAT:
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint v{version} is in format {state.get('format', 'unsharded-1')!r}; this "
             f"trainer reads {FORMAT!r} (written by colonnade since the FSDP2 trainer)"
         )
+    shards = state.get("shards")
+    ok = isinstance(shards, dict) and all(
+        isinstance(d, dict) and isinstance(d.get("bytes"), int) and isinstance(d.get("hash"), str)
+        for d in shards.values()
+    )
+    if not ok or not isinstance(state.get("ranks"), int):
+        raise CheckpointError(f"checkpoint v{version}: {STATE} lists no shards it can load")
     return state
 
 

@@ -1,12 +1,16 @@
 """Gathering rollout batches for a step: fresh enough, unconsumed, verified.
 
-The collector lists `rollouts/{u}/` for the versions u the step may use
-(v − max_lag … v), takes whole batches in key order until it has enough
-groups, and remembers every key it took, so no batch trains twice, across
-restarts too (the trainer persists the keys per version). Batches of
-versions that fell out of the window are counted once, as dropped.
+The collector lists the inbox once per look (protocol/inbox.py), takes the
+batches of the versions u the step may use (v − max_lag … v) whole, in
+take order, until it has enough groups, and remembers every key it took,
+so no batch trains twice, across restarts too (the trainer persists the
+keys per version). Batches of versions that fell out of the window are counted once, as dropped.
 
-Everything under `rollouts/` comes from strangers. Whatever one object
+Everything in the inbox comes from strangers. In a signed run a key under
+an id that is not registered is never read (retention removes it); a
+batch signed by another key than its worker's is rejected. Per-worker
+counters exist for registered ids only (an open run: for ids that have had
+a group accepted), so junk under fresh names grows no state. Whatever one object
 holds (not a file, too large, a zstd bomb, a header nested to blow the stack,
 bad schema or tensors, another protocol's batch, a signature that fails,
 episodes that do not replay), it is
@@ -28,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from colonnade.protocol import ProtocolMismatch, SchemaError, decode_batch, keys
+from colonnade.protocol.inbox import list_inbox
 from colonnade.protocol.polling import FLOOR, poll_interval
 from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, content_digest
-from colonnade.protocol.signing import SignatureRejected, strip_unsigned, verify
+from colonnade.protocol.signing import MAGIC, SIG_BYTES, SignatureRejected, strip_unsigned, verify
 from colonnade.store import InvalidObject, NotFound, ObjectStore, ObjectTooLarge, StoreUnavailable
 
 from .samples import Sample
@@ -75,7 +80,8 @@ def take_order(fresh: dict[int, list[str]], expiring: int | None = None) -> list
 
 @dataclass
 class Collector:
-    store: ObjectStore
+    store: ObjectStore  # the inbox
+    run_id: str  # signatures bind it
     rebuild: Callable  # (GroupRecord, version) -> list[Sample]; raises Rejected
     vocab: int
     max_tokens: int
@@ -91,34 +97,46 @@ class Collector:
     quarantined: set[str] = field(default_factory=set)  # workers whose batches are refused
     max_raw: int = MAX_BATCH_BYTES  # decompressed bytes a batch of this run may hold
 
+    def _stats(self, worker: str) -> Counter:
+        """The worker's counters: registered ids, or (an open run) ids with a
+        group accepted; a throwaway for anyone else."""
+        if worker in self.per_worker or self.keyring is not None:
+            return self.per_worker.setdefault(worker, Counter())
+        return Counter()
+
     def _reject(self, key: str, worker: str, reason: str, error: Exception) -> list:
-        log.warning("rejected batch %s (%s): %s", key, reason, error)
+        log.warning("rejected batch %s (%s): %s", key, reason, str(error)[:200])
         self.counts["batches_rejected"] += 1
         self.counts[f"rejected_{reason}"] += 1
-        stats = self.per_worker.setdefault(worker, Counter())
+        stats = self._stats(worker)
         stats["batches_rejected"] += 1
         stats[f"rejected_{reason}"] += 1
         return []
 
-    def _payload(self, key: str, data: bytes) -> bytes:
+    def _payload(self, key: str, data: bytes, worker: str) -> bytes:
         if self.keyring is None:
             return strip_unsigned(data)
-        return verify(data, key, self.keyring)
+        return verify(data, self.run_id, key, self.keyring, worker)
 
-    def _sweep(self, v: int) -> None:
+    def _sweep(self, v: int, listing) -> None:
         lowest = max(0, v - self.max_lag)
         for u in range(self.swept_below, lowest):
-            stale = [k for k in self.store.list(keys.rollouts_dir(u)) if k not in self.consumed]
+            stale = [k for k in listing.rollouts.get(u, {}) if k not in self.consumed]
             self.counts["batches_dropped_stale"] += len(stale)
-            self.consumed.update(stale)
+        # The window moved: what is below it is no longer looked at (nor kept).
+        self.consumed = {k for k in self.consumed
+                         if (p := keys.parse_rollout_key(k)) is None or p[0] >= lowest}  # fmt: skip
         self.swept_below = max(self.swept_below, lowest)
 
     def _read(self, key: str, version: int, worker: str):
         """The batch at `key`, or a rejection reason and the error; an
         unavailable store is raised."""
         try:
-            data = self.store.get(key, max_bytes=MAX_BATCH_BYTES)
-            batch = decode_batch(self._payload(key, data), self.vocab, self.max_tokens,
+            # A batch compresses its raw bound at worst into about that much:
+            # larger is refused before a byte of it is decompressed.
+            bound = min(MAX_BATCH_BYTES, self.max_raw + (self.max_raw >> 7) + (1 << 16))
+            data = self.store.get(key, max_bytes=bound + len(MAGIC) + SIG_BYTES)
+            batch = decode_batch(self._payload(key, data, worker), self.vocab, self.max_tokens,
                                  self.max_raw)  # fmt: skip
             if batch.version != version or batch.worker != worker:
                 raise SchemaError("batch names another version or worker than its key")
@@ -138,7 +156,7 @@ class Collector:
 
     def _group(self, g: GroupRecord, version: int, worker: str, fresh: set[str]):
         """(samples, None), or (None, "replay" | "rejected"), counted."""
-        stats = self.per_worker.setdefault(worker, Counter())
+        stats = self._stats(worker)
         d = content_digest(g, version)
         if d in self.seen or d in fresh:
             self.counts["groups_replayed"] += 1
@@ -173,7 +191,7 @@ class Collector:
                 out.digests.extend(sorted(fresh))
                 out.keys.append(key)
                 self.counts[f"batches_from_{batch.engine}"] += 1
-                self.per_worker[worker]["groups"] += len(groups)
+                self.per_worker.setdefault(worker, Counter())["groups"] += len(groups)
                 return groups
             replays = all(reason == "replay" for _, reason in taken)
             why = ("replay" if replays else "groups", SchemaError("no group was accepted"))
@@ -195,11 +213,13 @@ class Collector:
         t0, last_report = time.monotonic(), time.monotonic()
         out = Collected([], [], Counter(), 0.0)
         polls = 0
+        registered = set(self.keyring) if self.keyring is not None else None
         while len(out.groups) < need:
-            self._sweep(v)
+            listing = list_inbox(self.store, registered, v)
+            self._sweep(v, listing)
             fresh = {
-                u: [k for k in self.store.list(keys.rollouts_dir(u)) if k not in self.consumed]
-                for u in range(max(0, v - self.max_lag), v + 1)
+                u: [k for k in keys_ if k not in self.consumed]
+                for u, keys_ in listing.rollout_keys(range(max(0, v - self.max_lag), v + 1)).items()
             }
             lowest = max(0, v - self.max_lag)
             for key in take_order(fresh, lowest if lowest < v else None):

@@ -38,6 +38,13 @@ claims again, so its batches of a version fulfil its claims of that version
 in order; an unfulfilled claim is given up when the demand's lease runs out
 (by the object's store time), or at once when the same worker has claimed
 since (it restarted, or lost the upload: that batch is never coming).
+
+Claims are strangers' objects (protocol 7): one counts only if it reads as a
+claim of this run, names a worker, and in a signed run carries that
+worker's signature (a registered one); a claim of a slot the demand never
+opened is not even read. Each worker holds at most one claim in flight, so
+ghosts cannot freeze the demand: an unsigned, unknown or garbage claim
+holds nothing, and its slot is opened again.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from colonnade.protocol import keys
-from colonnade.protocol.documents import Claim
+from colonnade.protocol.documents import Claim, open_claim
+from colonnade.protocol.inbox import Listing, list_inbox
 from colonnade.protocol.schemas import Demand, SchemaError
 from colonnade.store import ObjectStore, StoreError, StoreUnavailable
 
@@ -110,10 +118,11 @@ def pending(claims: list[SeenClaim], landed: Counter, now: float, lease: float) 
 
 @dataclass
 class Planner:
-    """Works out the demand from the store: rollouts listed per version in
-    the window, claims listed with their store times (each read once)."""
+    """Works out the demand from the inbox: one listing gives the window's
+    rollouts and the claims with their store times (each claim read once)."""
 
-    store: ObjectStore
+    store: ObjectStore  # the inbox
+    run_id: str
     per_step: int
     per_batch: int
     max_lag: int
@@ -121,26 +130,29 @@ class Planner:
     surplus: int
     lease: float
     seen: dict[str, SeenClaim] = field(default_factory=dict)  # claim key -> what it said
+    opened: dict[int, int] = field(default_factory=dict)  # version -> slots its demand opened
     # The publication (background) and the wait for groups (main thread) both plan.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def _claims(self, versions: range) -> list[SeenClaim]:
+    def _claims(self, listing: Listing, versions: range, opened: dict[int, int],
+                keyring: dict | None) -> list[SeenClaim]:  # fmt: skip
+        """The claims of `versions` in slots that were opened (`opened`: version
+        -> slots; a version absent: any slot), each read once."""
         out = []
-        for u in versions:
-            for key, at in self.store.list_times(keys.claims_dir(u)).items():
-                parsed = keys.parse_claim_key(key)
-                if parsed is None:
-                    continue
-                if key not in self.seen:
-                    self.seen[key] = SeenClaim(*parsed, self._worker(key), at)
-                out.append(self.seen[key])
+        for key, (u, slot, at) in listing.claims.items():
+            if u not in versions or slot >= opened.get(u, keys.MAX_SLOT + 1):
+                continue
+            if key not in self.seen:
+                self.seen[key] = SeenClaim(u, slot, self._worker(key, keyring), at)
+            out.append(self.seen[key])
         lowest = versions.start
         self.seen = {k: c for k, c in self.seen.items() if c.version >= lowest}
         return out
 
-    def _worker(self, key: str) -> str | None:
+    def _worker(self, key: str, keyring: dict | None) -> str | None:
         try:
-            return Claim.from_json(self.store.get(key, max_bytes=Claim.MAX_BYTES)).worker
+            data = self.store.get(key, max_bytes=Claim.MAX_BYTES)
+            return open_claim(data, key, self.run_id, keyring).worker
         except StoreUnavailable:
             raise
         except (StoreError, SchemaError):  # not a claim we accept: it holds nothing
@@ -155,6 +167,7 @@ class Planner:
         taken: int = 0,
         current: Demand | None = None,
         current_step_only: bool = False,
+        keyring: dict | None = None,
     ) -> Demand:
         """The demand for slots of version `target` (the newest published, or
         the one about to be), seen from the step at version `step`, which has
@@ -162,29 +175,34 @@ class Planner:
 
         `consumed`: rollout keys taken already; `refused`: quarantined workers,
         whose batches and claims count for nothing. `current_step_only`: the
-        shortfall of the step in progress, without surplus (while waiting)."""
+        shortfall of the step in progress, without surplus (while waiting).
+        `keyring`: a signed run's registered keys (worker -> public key)."""
         if current_step_only:
             need, surplus = (self.per_step if step < self.max_versions else 0), 0
         else:
             need = horizon(step, self.max_versions, self.per_step, self.max_lag)
             surplus = self.surplus
         with self._lock:
-            return self._plan(step, target, consumed, refused, taken, current, need, surplus)
+            registered = set(keyring) if keyring is not None else None
+            listing = list_inbox(self.store, registered, target)
+            return self._plan(step, target, consumed, refused, taken, current, need, surplus,
+                              listing, keyring)  # fmt: skip
 
-    def _plan(self, step, target, consumed, refused, taken, current, need, surplus) -> Demand:
+    def _plan(self, step, target, consumed, refused, taken, current, need, surplus,
+              listing, keyring) -> Demand:  # fmt: skip
         oldest = max(0, step - self.max_lag)
         versions = range(min(oldest, target), target + 1)
         landed: Counter = Counter()
         ready = 0
-        for u in versions:
-            for key in self.store.list(keys.rollouts_dir(u)):
-                parsed = keys.parse_rollout_key(key)
-                if parsed is None:
-                    continue
-                landed[(u, parsed[1])] += 1
-                if u >= oldest and key not in consumed and parsed[1] not in refused:
+        for u, found in listing.rollout_keys(versions).items():
+            for key in found:
+                worker = listing.rollouts[u][key]
+                landed[(u, worker)] += 1
+                if u >= oldest and key not in consumed and worker not in refused:
                     ready += self.per_batch
-        claims = self._claims(versions)
+        if current is not None:
+            self.opened[current.version] = max(self.opened.get(current.version, 0), current.slots)
+        claims = self._claims(listing, versions, self.opened, keyring)
         flying = [
             c for c in pending(claims, landed, time.time(), self.lease) if c.worker not in refused
         ]
@@ -199,4 +217,6 @@ class Planner:
         if target < oldest:
             want = 0  # L = 0 and the step's version is not out yet: nothing it could use
         slots = min(new_slots(open_slots, want, self.per_batch), keys.MAX_SLOT + 1)
+        self.opened[target] = max(slots, self.opened.get(target, 0))
+        self.opened = {u: n for u, n in self.opened.items() if u >= versions.start}
         return Demand(target, slots, min(oldest, target), self.lease)

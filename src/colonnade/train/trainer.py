@@ -9,6 +9,13 @@ several ranks under torchrun with FSDP2 (`distributed`).
             → metrics, heartbeat; checkpoint every N versions
     end:    trainer/done.json, which tells workers to stop
 
+Everything the trainer writes for workers is signed with its key (`--key`,
+or one kept in the local cache); workers write only to the inbox, which the
+trainer reads as hostile (train/collect.py, train/demand.py) and keeps
+bounded (train/retention.py). Between steps and while waiting it checks
+that run.json, latest.json and quarantine.json are still what it wrote,
+and writes them again if anyone replaced them (`_guard`).
+
 Rank 0 leads (store, rollouts, versions, metrics); the other ranks hold
 their shards and follow its commands (`follow`).
 
@@ -21,6 +28,7 @@ whose publication was cut short is published first.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 import socket
@@ -44,17 +52,30 @@ from colonnade.protocol.documents import (
     Done,
     Quarantine,
     TrainerHeartbeat,
-    read_document,
+    read_signed,
+    sealed,
+    write_signed,
 )
+from colonnade.protocol.inbox import list_inbox, open_inbox
 from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.presence import fresh_workers
 from colonnade.protocol.schemas import MAX_JSON_BYTES, Demand, SchemaError, batch_bytes_bound
-from colonnade.protocol.signing import keyring_json, load_keyring
+from colonnade.protocol.signing import (
+    Signer,
+    fingerprint,
+    keyring_json,
+    load_keyring,
+    load_private,
+    public_hex,
+    read_run_envelope,
+    write_private,
+)
 from colonnade.protocol.turns import episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
-from colonnade.store import ObjectStore, StoreError, open_store
+from colonnade.pulse.hashing import digest_bytes
+from colonnade.store import NotFound, ObjectStore, StoreError, StoreUnavailable, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
@@ -87,14 +108,17 @@ def warmup_lr(lr: float, version: int, warmup: int) -> float:
     return lr * min(1.0, (version + 1) / warmup) if warmup > 0 else lr
 
 
-def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
+def run_spec(cfg: TrainerConfig, files: dict[str, bytes], vocab: int, public: str) -> RunSpec:
     sp = asdict(run_sampling(cfg))
     sp["stop"] = list(sp["stop"])
     return RunSpec(
         run_id=uuid.uuid4().hex[:12],
         env=cfg.env,
         env_kwargs=dict(cfg.env_kwargs),
-        model_files=files,
+        model_files={name: digest_bytes(data, cfg.hash) for name, data in sorted(files.items())},
+        trainer_key=public,
+        inbox=cfg.inbox,
+        inbox_endpoint_url=cfg.inbox_endpoint_url,
         vocab_size=vocab,
         precision=cfg.precision,
         group_size=cfg.group_size,
@@ -107,11 +131,28 @@ def run_spec(cfg: TrainerConfig, files: list[str], vocab: int) -> RunSpec:
     )
 
 
-def _check_takeover(store: ObjectStore, cfg: TrainerConfig) -> None:
+def trainer_key(cfg: TrainerConfig, store_url: str):
+    """The trainer's private key: `--key`, else the one kept for this store in
+    the local cache (made at the first start, 0600)."""
+    if cfg.key:
+        return load_private(Path(cfg.key))[1]
+    path = (
+        cache_root() / "trainer-keys" / f"{hashlib.sha256(store_url.encode()).hexdigest()[:16]}.key"
+    )
+    if not path.exists():
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, "trainer", Ed25519PrivateKey.generate())
+        log.info("made the trainer's key %s (keep it: a resume needs it)", path)
+    return load_private(path)[1]
+
+
+def _check_takeover(store: ObjectStore, cfg: TrainerConfig, signer: Signer) -> None:
     try:
-        hb = read_document(store, keys.HEARTBEAT, TrainerHeartbeat)
-    except SchemaError as e:  # no trainer of this release wrote it
-        log.warning("%s is not a trainer heartbeat (%s): ignored", keys.HEARTBEAT, e)
+        hb = read_signed(store, keys.HEARTBEAT, TrainerHeartbeat, signer.trust)
+    except SchemaError as e:  # not this trainer's: anyone may have written it
+        log.warning("%s is not this trainer's (%s): ignored", keys.HEARTBEAT, e)
         return
     if hb is None:
         return
@@ -145,8 +186,13 @@ class Trainer:
         texts = partial(tokenizer_texts_of, self.env)  # read only by the tiny preset
         self.model_dir = local_model_dir(resolve_model(cfg.model, texts))
         self.store = store or open_store(
-            cfg.store, endpoint_url=cfg.endpoint_url, multipart_bytes=cfg.multipart_mb << 20
+            cfg.store,
+            endpoint_url=cfg.endpoint_url,
+            profile=cfg.profile,
+            multipart_bytes=cfg.multipart_mb << 20,
         )
+        self.private = trainer_key(cfg, self.store.url)
+        self.signer: Signer | None = None  # once the run's id is known
         lm, self.tok = load_model(str(self.model_dir), dtype=torch.float32)
         self.aliases = tied_aliases(lm)
         self.max_len, self.vocab = lm.config.max_position_embeddings, lm.config.vocab_size
@@ -159,9 +205,13 @@ class Trainer:
             self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.checkpoints = Checkpointer(
-            self.store, self.policy, self.opt, self.where,
-            Path(cfg.staging_dir or cache_root() / "staging"), self.aliases,
-        )  # fmt: skip
+            self.store,
+            self.policy,
+            self.opt,
+            self.where,
+            Path(cfg.staging_dir or cache_root() / "staging"),
+            self.aliases,
+        )
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
             scale_by_std=cfg.scale_by_std,
@@ -179,33 +229,63 @@ class Trainer:
             self._lead_state(cfg)
         log.info(
             "trainer on %s, %s compute, activation checkpointing %s, %d rank(s)",
-            self.where.device, self.dtype, "on" if grad_ckpt else "off", self.where.world,
-        )  # fmt: skip
+            self.where.device,
+            self.dtype,
+            "on" if grad_ckpt else "off",
+            self.where.world,
+        )
 
     def _lead_state(self, cfg: TrainerConfig) -> None:
-        self.publisher = Publisher(self.store, cfg.precision, cfg.anchor_every, cfg.hash)
+        log.info("trainer key %s", fingerprint(self.private.public_key()))
         self.spec: RunSpec | None = None
         self.collector: Collector | None = None
         self.quarantine = Ledger(
             QuarantineConfig(factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens)
         )
-        exporter = None
+        self.exporter = None
         if cfg.metrics_port is not None:
-            exporter = Exporter(cfg.metrics_port, "main", env_metrics=metrics_of(self.env))
-        self.telemetry = Telemetry(self.store, "trainer", "main", 0.0, exporter)
+            self.exporter = Exporter(cfg.metrics_port, "main", env_metrics=metrics_of(self.env))
+        self._replanned = 0.0  # when the demand was last worked out while waiting
+        self._wait_began: float | None = None  # the step's first wait for groups
+        # Documents workers act on, as last written here: put back if replaced.
+        self.guarded: dict[str, bytes] = {}
+        self.model_bytes: dict[str, bytes] = {}  # the model files, as published
+        self._model_times: dict[str, float] | None = None  # their store times, once checked
+
+    def _bind_run(self, spec: RunSpec) -> None:
+        """What needs the run: its id (signatures bind it) and its inbox."""
+        cfg = self.cfg
+        self.spec = spec
+        self.signer = Signer(self.private, spec.run_id)
+        self.checkpoints.signer = self.signer
+        self.inbox = open_inbox(
+            self.store,
+            spec,
+            endpoint_url=cfg.inbox_endpoint_url or cfg.endpoint_url,
+            profile=cfg.inbox_profile or cfg.profile,
+        )
+        self.publisher = Publisher(
+            self.store, self.signer, cfg.precision, cfg.anchor_every, cfg.hash
+        )
+        self.telemetry = Telemetry.for_trainer(self.store, self.signer, 0.0, self.exporter)
         self.retention = Retention(
             self.store,
+            self.inbox,
             cfg.max_lag,
             cfg.anchor_every,
             enabled=not cfg.retain_all,
             forget_workers_seconds=cfg.forget_workers_seconds,
         )
         self.planner = Planner(
-            self.store, cfg.groups_per_step, cfg.groups_per_batch, cfg.max_lag,
-            cfg.max_versions, cfg.surplus_groups, cfg.claim_seconds,
-        )  # fmt: skip
-        self._replanned = 0.0  # when the demand was last worked out while waiting
-        self._wait_began: float | None = None  # the step's first wait for groups
+            self.inbox,
+            spec.run_id,
+            cfg.groups_per_step,
+            cfg.groups_per_batch,
+            cfg.max_lag,
+            cfg.max_versions,
+            cfg.surplus_groups,
+            cfg.claim_seconds,
+        )
 
     # -- what every rank does together, announced by rank 0 ------------------------------
     def _command(self, cmd: Command, arg: int = 0) -> None:
@@ -243,8 +323,9 @@ class Trainer:
             if cmd == Command.STEP:
                 for group in self.opt.param_groups:
                     group["lr"] = warmup_lr(self.cfg.lr, arg, self.cfg.warmup_versions)
-                train_step(self.policy, self.opt, None, self.tok.pad_token_id, self.step_cfg,
-                           self.where)  # fmt: skip
+                train_step(
+                    self.policy, self.opt, None, self.tok.pad_token_id, self.step_cfg, self.where
+                )
             elif cmd == Command.SNAPSHOT:
                 full_state(self.policy, self.where, self.aliases)
             elif cmd == Command.CHECKPOINT:
@@ -261,12 +342,15 @@ class Trainer:
             self._resume()
         else:
             self._start()
+        if self.spec.signed and not self.cfg.worker_keys:
+            raise RunConflict("this run requires signed batches: pass --worker-keys")
         train_ids = {t.id for t in self.env.tasks("train")}
         stop = episode_stops(self.spec.sampling["stop"], self.env)
         consumed, seen = self._consumed()
         max_tokens = self.cfg.max_episode_tokens + self.cfg.max_turn_tokens
         self.collector = Collector(
-            self.store,
+            self.inbox,
+            self.spec.run_id,
             lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids),
             vocab=self.spec.vocab_size,
             max_tokens=max_tokens,
@@ -284,41 +368,60 @@ class Trainer:
         self.quarantine.decisions = self._read_quarantine()
         self.collector.quarantined = set(self.quarantine.decisions)
         self.publisher.quarantined = len(self.quarantine.decisions)
-        if self.spec.signed and not self.cfg.worker_keys:
-            raise RunConflict("this run requires signed batches: pass --worker-keys")
         self._load_keys()
         if resumed:  # the demand from what the store holds, as if after a step
-            latest = read_latest(self.store)
+            try:
+                latest = read_latest(self.store, self.signer.trust)
+            except SchemaError:
+                latest = None
             current = latest.demand if latest is not None else None
             self.publisher.announce(self._plan(self.version, self.version, current))
 
-    def _plan(self, step: int, target: int, current: Demand | None = None,
-              consumed: set[str] | None = None, taken: int = 0,
-              current_step_only: bool = False) -> Demand:  # fmt: skip
+    def _plan(
+        self,
+        step: int,
+        target: int,
+        current: Demand | None = None,
+        consumed: set[str] | None = None,
+        taken: int = 0,
+        current_step_only: bool = False,
+    ) -> Demand:
         """The demand for slots of version `target`, seen from the step at `step`."""
         c = self.collector
         return self.planner.plan(
-            step, target, c.consumed if consumed is None else consumed,
-            set(c.quarantined), taken, current, current_step_only,
-        )  # fmt: skip
+            step,
+            target,
+            c.consumed if consumed is None else consumed,
+            set(c.quarantined),
+            taken,
+            current,
+            current_step_only,
+            keyring=c.keyring,
+        )
 
     def first_demand(self) -> Demand:
         """v0's demand: nothing made or claimed yet."""
         cfg = self.cfg
         want = wanted_groups(
             horizon(0, cfg.max_versions, cfg.groups_per_step, cfg.max_lag),
-            0, cfg.surplus_groups, 0, 0,
-        )  # fmt: skip
+            0,
+            cfg.surplus_groups,
+            0,
+            0,
+        )
         return Demand(0, new_slots(0, want, cfg.groups_per_batch), 0, cfg.claim_seconds)
 
     def _start(self) -> None:
         files = model_files(self.model_dir)
         for name, data in files.items():
             self.store.put(keys.model_file(name), data)
-        spec = run_spec(self.cfg, sorted(files), self.vocab)
-        if not self.store.put_if_absent(keys.RUN, spec.to_json()):
+        self.model_bytes = files
+        spec = run_spec(self.cfg, files, self.vocab, public_hex(self.private.public_key()))
+        self._bind_run(spec)
+        run = sealed(self.signer, keys.RUN, spec)
+        if not self.store.put_if_absent(keys.RUN, run):
             raise RunConflict(f"another trainer created a run under {self.store.url} just now")
-        self.spec = spec
+        self.guarded[keys.RUN] = run
         self._heartbeat(None)
         self._save(0)
         meta = self.publisher.publish(self._snapshot(), self.first_demand()).meta
@@ -328,15 +431,28 @@ class Trainer:
     def _resume(self) -> None:
         if not self.cfg.resume:
             raise RunConflict(f"a run already exists under {self.store.url} (resume is off)")
-        _check_takeover(self.store, self.cfg)
-        self.spec = RunSpec.from_json(self.store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
-        ckpt = latest_checkpoint(self.store)
+        data = self.store.get(keys.RUN, max_bytes=MAX_JSON_BYTES)
+        mine = fingerprint(self.private.public_key())
+        try:
+            doc, _ = read_run_envelope(data, mine)
+        except SchemaError as e:
+            raise RunConflict(
+                f"{keys.RUN} under {self.store.url} does not verify with this trainer's key "
+                f"{mine} ({e}): resume with the run's key (--key), or start a new run "
+                "under another prefix"
+            ) from None
+        self._bind_run(RunSpec.from_dict(doc))
+        self.guarded[keys.RUN] = data
+        files = model_files(self.model_dir)
+        self.model_bytes = {n: files[n] for n in self.spec.model_files if n in files}
+        _check_takeover(self.store, self.cfg, self.signer)
+        ckpt = latest_checkpoint(self.store, self.signer.trust)
         if ckpt is None:
             raise RunConflict(f"the run under {self.store.url} has no checkpoint to resume from")
         self._load(ckpt)
-        latest = latest_version(self.store)
+        latest = latest_version(self.store, self.signer.trust)
         if latest is not None:
-            follower = Follower(self.store, self.spec.anchor_every)
+            follower = Follower(self.store, self.spec.anchor_every, self.signer.trust)
             follower.sync(latest)
             # The publisher takes the follower's tensors as they are: this
             # follower never syncs again (it would rebuild them in place).
@@ -367,7 +483,15 @@ class Trainer:
         for key in self.store.list(keys.CONSUMED):
             if keys.parse_consumed_key(key) is None:
                 continue
-            ledger = read_document(self.store, key, ConsumedLedger)
+            try:
+                ledger = read_signed(self.store, key, ConsumedLedger, self.signer.trust)
+            except SchemaError as e:
+                log.warning(
+                    "ledger %s is not this trainer's (%s): ignored (delete it to silence this)",
+                    key,
+                    e,
+                )
+                continue
             if ledger is not None:
                 taken.update(ledger.keys, ledger.rejected)
                 seen.update(ledger.digests)
@@ -386,11 +510,47 @@ class Trainer:
             self.collector.per_worker[w] = Counter(c)
 
     def _read_quarantine(self) -> dict:
-        found = read_document(self.store, keys.QUARANTINE, Quarantine)
+        try:
+            found = read_signed(self.store, keys.QUARANTINE, Quarantine, self.signer.trust)
+        except SchemaError as e:
+            log.warning(
+                "%s is not this trainer's (%s): no worker is quarantined; it is "
+                "written again at the next decision",
+                keys.QUARANTINE,
+                e,
+            )
+            return {}
+        if found is not None:
+            self.guarded[keys.QUARANTINE] = sealed(self.signer, keys.QUARANTINE, found)
         return dict(found.decisions) if found is not None else {}
 
     def _write_quarantine(self) -> None:
-        self.store.put(keys.QUARANTINE, Quarantine(dict(self.quarantine.decisions)).to_json())
+        doc = sealed(self.signer, keys.QUARANTINE, Quarantine(dict(self.quarantine.decisions)))
+        self.store.put(keys.QUARANTINE, doc)
+        self.guarded[keys.QUARANTINE] = doc
+
+    def _guard(self) -> int:
+        """run.json, latest.json and quarantine.json as this trainer wrote
+        them: anyone who can write the run's store could replace or delete
+        them (workers would ignore the forgery, but lose sight of the run), so
+        they are checked and put back; how many had to be."""
+        fixed = int(self.publisher.guard()) + self._guard_model()
+        for key, mine in self.guarded.items():
+            try:
+                if self.store.get(key, max_bytes=len(mine)) == mine:
+                    continue
+            except NotFound:
+                pass
+            except StoreError as e:
+                if isinstance(e, StoreUnavailable):
+                    raise
+            self.store.put(key, mine)
+            fixed += 1
+        if fixed:
+            log.warning(
+                "%d of the trainer's documents were replaced by someone else: written again", fixed
+            )
+        return fixed
 
     def _load_keys(self) -> None:
         """Re-read the registered public keys and publish them (trainer/keys.json)."""
@@ -398,18 +558,46 @@ class Trainer:
             return
         ring = load_keyring(Path(self.cfg.worker_keys))
         if ring.keys() != (self.collector.keyring or {}).keys():
-            self.store.put(keys.KEYRING, keyring_json(ring))
+            self.store.put(keys.KEYRING, self.signer.seal(keys.KEYRING, keyring_json(ring)))
             log.info("registered worker keys: %s", ", ".join(sorted(ring)))
         self.collector.keyring = ring
 
     # -- the loop (rank 0) ---------------------------------------------------------------
     def _heartbeat(self, version: int | None) -> None:
         hb = TrainerHeartbeat(self.instance, socket.gethostname(), time.time(), version)
-        self.store.put(keys.HEARTBEAT, hb.to_json())
+        write_signed(self.store, keys.HEARTBEAT, hb, self.signer)
+
+    def _guard_model(self) -> int:
+        """The model files as published: one listing while their store times
+        hold; read and hashed again (and put back) when one changed."""
+        times = self.store.list_times(keys.MODEL)
+        if times == self._model_times:
+            return 0
+        fixed = 0
+        for name, data in self.model_bytes.items():
+            key = keys.model_file(name)
+            try:
+                if self.store.get(key, max_bytes=len(data)) == data:
+                    continue
+            except NotFound:
+                pass
+            except StoreError as e:
+                if isinstance(e, StoreUnavailable):
+                    raise
+            self.store.put(key, data)
+            fixed += 1
+        self._model_times = self.store.list_times(keys.MODEL)
+        return fixed
+
+    def _registered(self) -> set[str] | None:
+        ring = self.collector.keyring
+        return set(ring) if ring is not None else None
 
     def workers_alive(self) -> int:
-        """Workers whose heartbeat is younger than heartbeat_timeout."""
-        return len(fresh_workers(self.store, time.time(), self.cfg.heartbeat_timeout))
+        """Workers whose heartbeat is younger than heartbeat_timeout (registered
+        ones only, in a signed run)."""
+        listing = list_inbox(self.inbox, self._registered())
+        return len(fresh_workers(listing, time.time(), self.cfg.heartbeat_timeout))
 
     def _waiting(self, v: int, taken: int) -> bool:
         """Polled while collecting for the step at v, `taken` groups so far:
@@ -422,6 +610,10 @@ class Trainer:
             self._wait_began = now
         elif min(now - self._wait_began, now - self._replanned) > REPLAN_SECONDS:
             self._replan(v, taken)
+            try:
+                self._guard()
+            except StoreError as e:
+                log.warning("documents not checked: %s", e)
         return self.stop_requested
 
     def _replan(self, v: int, taken: int) -> None:
@@ -451,6 +643,7 @@ class Trainer:
         t0 = time.monotonic()
         deadline = self.cfg.store_outage_seconds
         self._retry("keys", self._load_keys, deadline)
+        self._retry("guard", self._guard, deadline)
         v = self.version
         counts = self.collector.counts
         before = counts["batches_rejected"] + counts["groups_rejected"]
@@ -513,7 +706,7 @@ class Trainer:
     def _write_ledger(self, new_v: int, got) -> None:
         """The batches that trained `new_v`, recorded before it is published."""
         ledger = ConsumedLedger(sorted(got.keys), sorted(got.rejected), sorted(got.digests))
-        self.store.put(keys.consumed_key(new_v, self.instance), ledger.to_json())
+        write_signed(self.store, keys.consumed_key(new_v, self.instance), ledger, self.signer)
 
     def _publish(self, state: dict[str, torch.Tensor], row: TrainerRow, consumed: set[str]) -> None:
         """Background: publish the snapshot as the next version with its
@@ -529,7 +722,7 @@ class Trainer:
             row,
             deleted=self._retry(
                 "retention",
-                lambda: self.retention.sweep(pub.meta.version),
+                lambda: self.retention.sweep(pub.meta.version, self._registered()),
                 self.cfg.store_outage_seconds,
             ),
             publish_seconds=round(pub.seconds, 3),
@@ -542,11 +735,19 @@ class Trainer:
         log.info(
             "v%d loss %.4f reward %.3f pass %.2f masked %.4f kl %.4f tokens %d "
             "wait %.1fs patch %d B (%.2f%% of full) publish %.2fs blocked %.2fs",
-            m.version, m.loss, m.reward_mean, m.pass_rate, m.masked_fraction,
-            m.mismatch_kl, m.tokens, m.wait_seconds, m.patch_bytes,
-            100 * m.patch_bytes / max(1, m.full_bytes), m.publish_seconds,
+            m.version,
+            m.loss,
+            m.reward_mean,
+            m.pass_rate,
+            m.masked_fraction,
+            m.mismatch_kl,
+            m.tokens,
+            m.wait_seconds,
+            m.patch_bytes,
+            100 * m.patch_bytes / max(1, m.full_bytes),
+            m.publish_seconds,
             m.publish_blocked_seconds,
-        )  # fmt: skip
+        )
 
     def install_stop(self) -> None:
         """SIGTERM: finish the version in flight, checkpoint, exit (resumable).
@@ -588,7 +789,7 @@ class Trainer:
                 return
             self.step()
         self.background.wait()
-        self.store.put(keys.DONE, Done(self.version, time.time()).to_json())
+        write_signed(self.store, keys.DONE, Done(self.version, time.time()), self.signer)
         self.publisher.point(done=True)  # what workers poll
         self._command(Command.DONE)
         log.info("done: published v%d", self.version)
