@@ -95,6 +95,7 @@ def _wait(rows: list[TrainerRow]) -> float:
 def run_case(out: Path, lag: int, workers: int, versions: int, target: float) -> dict:
     from colonnade.launch import resolve_run_config
     from colonnade.launch.run import launch
+    from colonnade.protocol.reader import open_run
     from colonnade.store import LocalStore
     from colonnade.telemetry import read_trainer_rows, read_worker_rows
 
@@ -106,7 +107,8 @@ def run_case(out: Path, lag: int, workers: int, versions: int, target: float) ->
     if report["status"] != "finished":
         raise SystemExit(f"error: the run in {out} ended {report['status']}")
     store = LocalStore(out / "store")
-    return summarize(read_trainer_rows(store), read_worker_rows(store), target)
+    view = open_run(store)
+    return summarize(read_trainer_rows(store, view.trust), read_worker_rows(view.inbox), target)
 
 
 def _speedup(rows: list[dict], workers: int, field: str = "time_to_target_s") -> float | None:

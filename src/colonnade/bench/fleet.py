@@ -438,7 +438,7 @@ def run_fleet(opts: FleetOptions, root: Path, wrap=None) -> RunResult:
     local store (a test counts there what the views counted)."""
     from colonnade.model import load_model
     from colonnade.protocol import keys
-    from colonnade.protocol.schemas import Latest
+    from colonnade.protocol.schemas import Latest, loads
     from colonnade.protocol.signing import new_keypair
     from colonnade.store import LocalStore
     from colonnade.telemetry import read_trainer_rows
@@ -456,7 +456,7 @@ def run_fleet(opts: FleetOptions, root: Path, wrap=None) -> RunResult:
     def on_write(key: str, data: bytes) -> None:
         if key != keys.LATEST:
             return
-        v = Latest.from_json(data).version
+        v = Latest.from_dict(loads(data)["doc"]).version
         if marks and marks[-1].version >= v:
             return  # the pointer rewritten at the end (done)
         left = joined = 0
@@ -484,7 +484,8 @@ def run_fleet(opts: FleetOptions, root: Path, wrap=None) -> RunResult:
         # Outside the shared decode: the joiner decodes its patches itself.
         joiner = measure_joiner(fleet, inner, tally, opts)
     return RunResult(
-        opts, marks, read_trainer_rows(local), tally, joiner, dict(fleet.errors), seconds,
+        opts, marks, read_trainer_rows(local, trainer.signer.trust), tally, joiner,
+        dict(fleet.errors), seconds,
         fleet.follower_anchors(), stopped_early=trainer.version < opts.versions,
         extra={"patches_decoded": decode.decoded, "patch_decodes_shared": decode.shared},
     )  # fmt: skip

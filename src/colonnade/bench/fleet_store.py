@@ -36,8 +36,7 @@ _ANCHOR_NAME = keys.full_key(0).rsplit("/", 1)[1]
 
 def is_anchor(key: str) -> bool:
     """Whether `key` is a version's full state (`weights/{v}/full.safetensors`)."""
-    where = keys.parse_version_dir(key)
-    return where is not None and where[0] == "weights" and key.endswith("/" + _ANCHOR_NAME)
+    return keys.parse_weights_key(key) is not None and key.endswith("/" + _ANCHOR_NAME)
 
 
 class Link:
@@ -139,6 +138,10 @@ class WanStore(ObjectStore):
     @property
     def url(self) -> str:
         return self.inner.url
+
+    def sub(self, prefix: str) -> WanStore:
+        """The inbox folder, over the same link and tally."""
+        return WanStore(self.inner.sub(prefix), self.client, self.tally, self.link, self.on_write)
 
     def _written(self, key: str, data: bytes) -> None:
         parsed = keys.parse_rollout_key(key)

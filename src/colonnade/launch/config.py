@@ -90,6 +90,9 @@ def eval_sampling(cfg: RunConfig) -> SamplingParams:
     return dataclasses.replace(run_sampling(trainer), temperature=cfg.eval_temperature)
 
 
+TRAINER_KEY = "trainer-key/trainer.key"  # under the run's out folder
+
+
 def role_configs(cfg: RunConfig, model_path: str | None = None):
     """(TrainerConfig, WorkerConfig) the run's processes will use."""
     table = dict(cfg.trainer)
@@ -101,6 +104,9 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
     base.update(env=cfg.env, model=model_path or cfg.model)
     if cfg.sign:
         base["worker_keys"] = str(Path(cfg.out or ".") / "keys")
+    # The trainer's key, made by the launcher; its workers pin its .pub.
+    key = Path(cfg.out or ".") / TRAINER_KEY
+    base["key"] = str(key)
     trainer = load_config(
         TrainerConfig,
         base={**base, **table},
@@ -109,7 +115,10 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
         metrics_port=cfg.metrics_port,
     )
     worker = load_config(
-        WorkerConfig, base=dict(cfg.worker), store=store, endpoint_url=cfg.endpoint_url
+        WorkerConfig,
+        base={"trust": str(Path(trainer.key).with_suffix(".pub")), **cfg.worker},
+        store=store,
+        endpoint_url=cfg.endpoint_url,
     )
     return trainer, worker
 

@@ -17,9 +17,9 @@ import torch
 
 from colonnade.envs import Environment
 from colonnade.model import load_dequantized, tied_aliases
-from colonnade.protocol import Follower, RunSpec, VersionError, keys
+from colonnade.protocol import Follower, VersionError, keys
 from colonnade.protocol.model_files import fetch_model
-from colonnade.protocol.schemas import MAX_JSON_BYTES
+from colonnade.protocol.reader import open_run
 from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.engine import Engine
 from colonnade.rollout.evaluate import Progress, evaluate
@@ -29,10 +29,11 @@ from colonnade.store import ObjectStore, StoreError
 log = logging.getLogger("colonnade.run")
 
 
-def _version_state(store: ObjectStore, version: int):
-    spec = RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
+def _version_state(store: ObjectStore, version: int, trusted: str | None = None):
+    view = open_run(store, trusted)
+    spec = view.spec
     model, tok = fetch_model(store, spec)
-    follower = Follower(store, spec.anchor_every)
+    follower = Follower(store, spec.anchor_every, view.trust)
     follower.sync(version)
     return spec, model, tok, follower
 

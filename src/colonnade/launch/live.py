@@ -11,7 +11,9 @@ from colonnade.envs import Metric
 from colonnade.protocol.documents import WorkerHeartbeat
 from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.presence import alive, worker_heartbeats
-from colonnade.store import ObjectStore
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.schemas import SchemaError
+from colonnade.store import NotFound, ObjectStore
 from colonnade.telemetry import read_trainer_rows
 
 ALIVE_SECONDS = 60.0
@@ -42,13 +44,17 @@ class Snapshot:
 
 def snapshot(store: ObjectStore, max_versions: int, metrics: tuple[Metric, ...] = ()) -> Snapshot:
     """The store now; `metrics`: the environment's declared metrics, shown beside pass rate."""
-    rows = read_trainer_rows(store)
     snap = Snapshot(max_versions=max_versions, metrics=tuple(metrics))
+    try:
+        view = open_run(store)
+    except (NotFound, SchemaError):
+        return snap  # no run yet (or not one the trainer signed)
+    rows = read_trainer_rows(store, view.trust)
     if rows:
         snap.last = rows[-1]
         snap.version = rows[-1].version
         snap.step_seconds = [r.step_seconds for r in rows]
-    snap.workers = worker_heartbeats(store)
+    snap.workers = worker_heartbeats(view.inbox)
     # From the heartbeats already read: the metric files grow with the run and
     # would be re-read every second.
     snap.synced_bytes = sum(hb.bytes_synced for hb in snap.workers.values())

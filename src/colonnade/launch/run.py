@@ -26,9 +26,11 @@ from colonnade.model import resolve_model
 from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
 from colonnade.protocol.presence import alive
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.schemas import SchemaError
 from colonnade.protocol.signing import new_keypair
 from colonnade.rollout.evaluate import figures_line
-from colonnade.store import ObjectStore, open_store
+from colonnade.store import NotFound, ObjectStore, open_store
 from colonnade.train.warmstart import WarmstartConfig, total_steps, warmstart
 
 from . import evaluation
@@ -103,6 +105,8 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
     (out / "worker.toml").write_text(to_toml({"": dataclasses.asdict(worker)}))
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    if not Path(trainer.key).exists():  # the trainer's, made once per out folder
+        new_keypair("trainer", Path(trainer.key).parent)
     if trainer.worker_keys:  # the trainer reads the .pub files at start
         for i in range(cfg.workers):
             if not (Path(trainer.worker_keys) / f"w{i + 1}.key").exists():
@@ -310,8 +314,16 @@ def _engine(cfg: RunConfig) -> str:
     return str(cfg.worker.get("engine", "auto"))
 
 
+def _final(store: ObjectStore) -> int | None:
+    """The newest version the run's trainer signed (None before run.json)."""
+    try:
+        return latest_version(store, open_run(store).trust)
+    except (NotFound, SchemaError):
+        return None
+
+
 def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: Console) -> None:
-    final = latest_version(store)
+    final = _final(store)
     if final is None:
         return
     evaluation.export_version(store, final, Path(cfg.out) / "final-model")
@@ -332,7 +344,7 @@ def _after_failure(
 ) -> None:
     """The versions a failed trainer published are in the store, whole: export
     and evaluate the last, so hours of training still end in a figure."""
-    final = latest_version(store)
+    final = _final(store)
     if final is None or final < 1:
         return
     console.print(f"[yellow]the trainer failed: exporting and evaluating v{final}, its last")

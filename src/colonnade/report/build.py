@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict
 
 from colonnade.protocol import RunSpec, keys, read_meta
-from colonnade.protocol.documents import ConsumedLedger, Quarantine, read_document
+from colonnade.protocol.documents import ConsumedLedger, Quarantine, read_signed
 from colonnade.protocol.metrics import (
     REJECTED_PREFIX,
     TrainerRow,
@@ -28,7 +28,9 @@ from colonnade.protocol.metrics import (
     gate_figures,
 )
 from colonnade.protocol.presence import worker_heartbeats
+from colonnade.protocol.reader import RunView, open_run
 from colonnade.protocol.schemas import MAX_JSON_BYTES, SchemaError
+from colonnade.protocol.signing import Trust
 from colonnade.store import NotFound, ObjectStore
 from colonnade.telemetry import read_trainer_rows, read_worker_rows
 
@@ -50,12 +52,15 @@ def read_launch(store: ObjectStore) -> dict | None:
     return _json(store, keys.LAUNCH)
 
 
-def _versions(store: ObjectStore) -> list[dict]:
-    """The versions still in the store (retention deletes old ones)."""
+def _versions(store: ObjectStore, trust: Trust) -> list[dict]:
+    """The versions still in the store (retention deletes old ones), as the trainer signed them."""
     found = sorted(v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None)
     out = []
     for v in found:
-        meta = read_meta(store, v)
+        try:
+            meta = read_meta(store, v, trust)
+        except SchemaError:
+            continue
         if meta is not None:
             out.append(
                 {
@@ -89,19 +94,19 @@ def _worker(rows: list[WorkerRow], accepted: dict[str, int], gate: dict | None, 
     }
 
 
-def _workers(store: ObjectStore, trainer_rows: list[TrainerRow]) -> dict[str, dict]:
+def _workers(inbox: ObjectStore, trainer_rows: list[TrainerRow]) -> dict[str, dict]:
     consumed = trainer_rows[-1].per_worker if trainer_rows else {}
     gate: dict[str, dict] = {}
     for r in trainer_rows:
         add_gate_stats(gate, r.gate_by_worker)
-    heartbeats = worker_heartbeats(store)
+    heartbeats = worker_heartbeats(inbox)
     return {
         wid: _worker(rows, consumed.get(wid, {}), gate.get(wid), heartbeats.get(wid))
-        for wid, rows in read_worker_rows(store).items()
+        for wid, rows in read_worker_rows(inbox).items()
     }
 
 
-def _trained_batches(store: ObjectStore, rows: list[TrainerRow]) -> int:
+def _trained_batches(store: ObjectStore, trust: Trust, rows: list[TrainerRow]) -> int:
     """Batches trained on: from the metric rows (retention deletes old
     ledgers); from the ledgers when there are no rows."""
     if rows:
@@ -109,14 +114,17 @@ def _trained_batches(store: ObjectStore, rows: list[TrainerRow]) -> int:
     total = 0
     for k in store.list(keys.CONSUMED):
         if keys.parse_consumed_key(k) is not None:
-            ledger = read_document(store, k, ConsumedLedger)
+            try:
+                ledger = read_signed(store, k, ConsumedLedger, trust)
+            except SchemaError:
+                continue
             total += len(ledger.keys) if ledger is not None else 0
     return total
 
 
-def _quarantined(store: ObjectStore) -> dict[str, dict]:
+def _quarantined(store: ObjectStore, trust: Trust) -> dict[str, dict]:
     try:
-        found = read_document(store, keys.QUARANTINE, Quarantine)
+        found = read_signed(store, keys.QUARANTINE, Quarantine, trust)
     except SchemaError:
         return {}
     return {w: asdict(d) for w, d in found.decisions.items()} if found is not None else {}
@@ -131,17 +139,34 @@ def _series(rows: list[TrainerRow], t0: float) -> dict:
     return out
 
 
-def build_report(store: ObjectStore) -> dict:
-    """The report of the run under `store` (see the module docstring for sources)."""
+def build_report(store: ObjectStore, trusted: str | None = None) -> dict:
+    """The report of the run under `store` (see the module docstring for
+    sources); the trainer's documents checked against the key that signed
+    run.json, which must be `trusted` (a fingerprint) when given."""
     launch = read_launch(store) or {}
+    view: RunView | None
     try:
-        spec = RunSpec.from_json(store.get(keys.RUN, max_bytes=MAX_JSON_BYTES))
+        view = open_run(store, trusted)
     except NotFound:
         if not launch:
             raise
-        spec = None  # the launcher stopped before the trainer created the run
-    rows = read_trainer_rows(store)
-    versions = _versions(store)
+        view = None  # the launcher stopped before the trainer created the run
+    if view is None:
+        return _report(store, launch, None, [], [], {}, 0)
+    rows = read_trainer_rows(store, view.trust)
+    versions = _versions(store, view.trust)
+    # Counted by the workers themselves (a row per batch uploaded): the
+    # trainer's stale counter misses batches that land after their version
+    # left the window, and retention deletes old rollouts.
+    workers = _workers(view.inbox, rows)
+    consumed = _trained_batches(store, view.trust, rows)
+    report = _report(store, launch, view.spec, rows, versions, workers, consumed)
+    report["quarantined"] = _quarantined(store, view.trust)
+    report["trainer_key"] = view.trust.fingerprint
+    return report
+
+
+def _report(store, launch, spec: RunSpec | None, rows, versions, workers, consumed) -> dict:
     patches = [v["patch_bytes"] for v in versions if v["version"] > 0]
     tokens = sum(r.tokens for r in rows)
     masked = sum(r.masked_fraction * r.tokens for r in rows)
@@ -152,11 +177,7 @@ def build_report(store: ObjectStore) -> dict:
     counts = rows[-1].counts if rows else {}  # cumulative: the last row's
     t0 = launch.get("started") or (rows[0].time - rows[0].step_seconds if rows else 0)
     wall = launch.get("wall_s") or (round(rows[-1].time - t0, 1) if rows else 0.0)
-    consumed, rejected = _trained_batches(store, rows), counts.get("batches_rejected", 0)
-    # Counted by the workers themselves (a row per batch uploaded): the
-    # trainer's stale counter misses batches that land after their version
-    # left the window, and retention deletes old rollouts.
-    workers = _workers(store, rows)
+    rejected = counts.get("batches_rejected", 0)
     uploaded = sum(w["batches"] for w in workers.values())
     return {
         "run_id": spec.run_id if spec else None,
@@ -186,7 +207,8 @@ def build_report(store: ObjectStore) -> dict:
             if k.startswith(REJECTED_PREFIX)
         },
         "signed": spec.signed if spec else None,
-        "quarantined": _quarantined(store),
+        "quarantined": {},
+        "trainer_key": None,
         "gate": {
             "masked_fraction": round(masked / tokens, 5) if tokens else 0.0,
             "mismatch_kl_mean": _mean(r.mismatch_kl for r in rows),
