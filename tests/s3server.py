@@ -7,6 +7,7 @@ contract is tested against it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,8 +64,17 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedServer:
     """`with SeaweedServer(bucket) as srv:` … srv.endpoint, srv.env()."""
 
-    def __init__(self, bucket: str = "colonnade-test", *, ready_timeout: float = 60) -> None:
+    def __init__(
+        self,
+        bucket: str = "colonnade-test",
+        *,
+        ready_timeout: float = 60,
+        identities: list[dict] | None = None,
+    ) -> None:
+        """`identities`: more S3 identities beside the admin one (`-s3.config`),
+        e.g. a worker's that may only read one bucket and write another."""
         self.bucket, self.ready_timeout = bucket, ready_timeout
+        self.identities = identities
         self.proc: subprocess.Popen | None = None
         self.dir = Path(tempfile.mkdtemp(prefix="seaweed-"))
         self.endpoint = ""
@@ -99,6 +109,15 @@ class SeaweedServer:
             "-master.telemetry=false",
             *(f"-{flag}={port}" for flag, port in ports.items()),
         ]
+        if self.identities is not None:
+            admin = {
+                "name": "admin",
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            }
+            config = self.dir / "s3.json"
+            config.write_text(json.dumps({"identities": [admin, *self.identities]}))
+            cmd.append(f"-s3.config={config}")
         self.log = open(self.dir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.store import LocalStore
+from colonnade.train.checkpoint import read_state
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -93,8 +96,9 @@ def test_run_with_two_trainer_ranks_learns(cache, tmp_path):
     assert report["status"] == "finished" and after["version"] == 16
     assert after["pass_at_1"] >= before["pass_at_1"] + 0.3, (before, after)
     store = LocalStore(out / "store")
-    check_versions(store, 16, anchor_every=10)
-    check_consumed(store, max_lag=2)
+    trust = open_run(store, trusted_fingerprint(str(out / "trainer-key" / "trainer.pub"))).trust
+    check_versions(store, 16, anchor_every=10, trust=trust)
+    check_consumed(store, max_lag=2, trust=trust)
 
 
 @pytest.mark.timeout(600)
@@ -102,19 +106,22 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
     cache_root, model = cache
     env = _env(cache_root)
     root = tmp_path / "store"
+    key, pub = new_keypair("trainer", tmp_path / "keys")
     args = ["trainer", "--store", str(root), "--preset", "smoke", "--model", str(model),
             "--device", "cpu", "--max-versions", "10", "--max-lag", "1", "--checkpoint-every",
-            "2", "--anchor-every", "3", "--retain-all"]  # fmt: skip
+            "2", "--anchor-every", "3", "--retain-all", "--key", str(key)]  # fmt: skip
     store = LocalStore(root)
     job = _torchrun(args, tmp_path / "job1.log", env)
     worker = None
     try:
         _wait(lambda: store.exists(keys.RUN), 120, "run.json", [job])
+        trust = open_run(store, trusted_fingerprint(str(pub))).trust
         worker = subprocess.Popen(
-            [sys.executable, "-m", "colonnade", "worker", "--store", str(root), "--id", "w1"],
+            [sys.executable, "-m", "colonnade", "worker", "--store", str(root), "--id", "w1",
+             "--trust", str(pub)],
             stdout=(tmp_path / "w1.log").open("w"), stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-        _wait(lambda: (latest_version(store) or 0) >= 4, 240, "v4", [job, worker])
+        _wait(lambda: (latest_version(store, trust) or 0) >= 4, 240, "v4", [job, worker])
         pids = dict(re.findall(r"rank (\d) of 2 on cpu \(gloo\), pid (\d+)",
                                (tmp_path / "job1.log").read_text()))  # fmt: skip
         os.kill(int(pids["1"]), signal.SIGKILL)
@@ -124,7 +131,7 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
         print(f"job ended {ended:.1f} s after the SIGKILL of rank 1 (rc {rc})")
         assert rc != 0 and ended < DEADLINE, f"the job took {ended:.0f} s to end (rc {rc})"
         assert not _alive(int(pids["0"])), "rank 0 outlived the job"
-        killed_at = latest_version(store)
+        killed_at = latest_version(store, trust)
         job = _torchrun([*args, "--takeover"], tmp_path / "job2.log", env)
         assert job.wait(timeout=400) == 0, (tmp_path / "job2.log").read_text()[-3000:]
         assert worker.wait(timeout=60) == 0  # it sees done.json and exits
@@ -133,10 +140,10 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
     assert "resumed run" in (tmp_path / "job2.log").read_text()
-    assert latest_version(store) == 10 > killed_at
-    check_versions(store, 10, anchor_every=3)
-    check_consumed(store, max_lag=1)
-    state = json.loads(store.get(keys.checkpoint_dir(10) + "state.json"))
+    assert latest_version(store, trust) == 10 > killed_at
+    check_versions(store, 10, anchor_every=3, trust=trust)
+    check_consumed(store, max_lag=1, trust=trust)
+    state = read_state(store, 10, trust)  # signed by the trainer's rank 0
     assert state["ranks"] == 2 and len(state["shards"]) == 2
 
     # The same checkpoint resumes on one rank: DCP reshards it.

@@ -6,14 +6,15 @@ trainer) and the heartbeat; the MLX worker follows PULSE patches like the
 torch one, and the gate masks almost nothing of either.
 """
 
-import json
 import os
 
 import pytest
 
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.documents import ConsumedLedger, WorkerHeartbeat, read_document, read_signed
+from colonnade.protocol.reader import open_run
 from colonnade.store import LocalStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import trainer_rows
 from e2e.test_trainer_workers import _spawn, _wait
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -43,6 +44,8 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
     workers = []
     try:
         _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        view = open_run(store)
+        inbox, trust = view.inbox, view.trust
         # One at a time: the torch worker alone would finish the smoke run
         # before the MLX one has loaded. The MLX worker stops after 6 batches
         # (12 groups, half the run at most): it no longer finishes the run
@@ -51,13 +54,24 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
         for name, engine, extra in (("mac", "mlx", ["--max-batches", "6"]), ("pc", "torch", [])):
             workers.append(
                 _spawn(
-                    ["worker", "--store", str(root), "--id", name, "--engine", engine, *extra],
+                    [
+                        "worker",
+                        "--store",
+                        str(root),
+                        "--id",
+                        name,
+                        "--engine",
+                        engine,
+                        "--trust",
+                        trust.fingerprint,
+                        *extra,
+                    ],
                     tmp_path / f"{name}.log",
                     env,
                 )
             )
-            heartbeat = keys.worker_key(name)
-            _wait(lambda k=heartbeat: store.exists(k), 120, f"{name}'s first batch", workers)
+            heartbeat = keys.heartbeat_key(name)
+            _wait(lambda k=heartbeat: inbox.exists(k), 120, f"{name}'s first batch", workers)
         assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for w in workers:
             assert w.wait(timeout=60) == 0
@@ -65,19 +79,19 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
         for p in (trainer, *workers):
             if p.poll() is None:
                 p.kill()
-    assert latest_version(store) == MAX_VERSIONS
+    assert latest_version(store, trust) == MAX_VERSIONS
     consumed = [
         keys.parse_rollout_key(k)[1]
-        for ledger in store.list("trainer/consumed/")
-        for k in json.loads(store.get(ledger))["keys"]
+        for ledger in store.list(keys.CONSUMED)
+        for k in read_signed(store, ledger, ConsumedLedger, trust).keys
     ]
     assert {"mac", "pc"} <= set(consumed)
-    rows = read_rows(store, "trainer")["trainer-main"]
+    rows = trainer_rows(store, trust)
     assert sum(r.get("batches_from_mlx", 0) for r in rows[-1:]) > 0
     assert sum(r.get("batches_from_torch", 0) for r in rows[-1:]) > 0
     assert max(r["masked_fraction"] for r in rows) < 0.05
-    mac = json.loads(store.get(keys.worker_key("mac")))
-    pc = json.loads(store.get(keys.worker_key("pc")))
-    assert mac["engine"] == "mlx-int8" and pc["engine"] == "int8-w8"
-    assert mac["version"] >= 1 and mac["batches"] >= 1
+    mac = read_document(inbox, keys.heartbeat_key("mac"), WorkerHeartbeat)
+    pc = read_document(inbox, keys.heartbeat_key("pc"), WorkerHeartbeat)
+    assert mac.engine == "mlx-int8" and pc.engine == "int8-w8"
+    assert mac.version >= 1 and mac.batches >= 1
     assert "now running v" in (tmp_path / "mac.log").read_text()

@@ -3,7 +3,8 @@
 `colonnade run --store s3://…` starts the same `colonnade trainer` and
 `colonnade worker` processes a user starts on separate machines; they share
 nothing but the bucket. Afterwards every version rebuilds to its hash from
-S3 alone, and `colonnade report s3://…` rebuilds the report.
+S3 alone (checked against the trainer key `colonnade run` made), and
+`colonnade report s3://…` rebuilds the report.
 """
 
 import json
@@ -14,7 +15,9 @@ import uuid
 
 import pytest
 
-from colonnade.protocol import Follower, latest_version, read_meta
+from colonnade.protocol import Follower, keys, latest_version, read_meta
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import trusted_fingerprint
 from colonnade.store import open_store
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -45,12 +48,18 @@ def test_run_over_s3(tmp_path, seaweed, monkeypatch):
     for k, v in seaweed.env().items():
         monkeypatch.setenv(k, v)
     store = open_store(url, endpoint_url=seaweed.endpoint)
-    assert latest_version(store) == 4
-    f = Follower(store, anchor_every=10)
+    fingerprint = trusted_fingerprint(str(out / "trainer-key" / "trainer.pub"))
+    view = open_run(store, fingerprint)
+    trust = view.trust
+    assert latest_version(store, trust) == 4
+    f = Follower(store, anchor_every=10, trust=trust)
     for v in range(5):
         f.sync(v)
-        assert f.state_hash == read_meta(store, v).state_hash
+        assert f.state_hash == read_meta(store, v, trust).state_hash
+    # The workers wrote to the inbox folder of the bucket's run prefix.
+    assert {keys.inbox_owner(k) for k in view.inbox.list("")} >= {"w1", "w2"}
     report = json.loads((out / "report.json").read_text())
+    assert report["trainer_key"] == fingerprint
     assert report["status"] == "finished" and set(report["workers"]) == {"w1", "w2"}
     assert report["rollouts_consumed"] >= 8 and report["eval"]["after"]["version"] == 4
 

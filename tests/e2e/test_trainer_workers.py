@@ -3,10 +3,11 @@
 One run, smoke env: the trainer is killed with SIGKILL mid-run and
 restarted; afterwards every version 0..N exists exactly once and rebuilds to
 its hash on a fresh follower, no rollout batch was consumed twice, and every
-consumed batch was within max_lag of the version it trained.
+consumed batch was within max_lag of the version it trained. The trainer
+signs with a key made ahead (`--key`), which the workers trust (`--trust`);
+the restarted trainer signs with it too.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,11 @@ from pathlib import Path
 import pytest
 
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.documents import WorkerHeartbeat, read_document
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.store import LocalStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import trainer_rows
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -51,6 +55,7 @@ def _wait(cond, timeout, what, procs=()):
 def test_run_survives_a_trainer_kill(tmp_path):
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    key, pub = new_keypair("trainer", tmp_path / "keys")
     trainer_args = [
         "trainer",
         "--store",
@@ -66,20 +71,28 @@ def test_run_survives_a_trainer_kill(tmp_path):
         "--anchor-every",
         "3",
         "--retain-all",
+        "--key",
+        str(key),
     ]
     trainer = _spawn(trainer_args, tmp_path / "trainer1.log", env)
     store = LocalStore(root)
     workers = []
     try:
         _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        view = open_run(store, trusted_fingerprint(str(pub)))  # signed with the key given
+        trust = view.trust
         workers = [
-            _spawn(["worker", "--store", str(root), "--id", f"w{i}"], tmp_path / f"w{i}.log", env)
+            _spawn(
+                ["worker", "--store", str(root), "--id", f"w{i}", "--trust", str(pub)],
+                tmp_path / f"w{i}.log",
+                env,
+            )
             for i in (1, 2)
         ]
-        _wait(lambda: (latest_version(store) or 0) >= 3, 180, "v3", [trainer, *workers])
+        _wait(lambda: (latest_version(store, trust) or 0) >= 3, 180, "v3", [trainer, *workers])
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
-        killed_at = latest_version(store)
+        killed_at = latest_version(store, trust)
         trainer = _spawn([*trainer_args, "--takeover"], tmp_path / "trainer2.log", env)
         assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer2.log").read_text()[-3000:]
         for w in workers:
@@ -90,14 +103,14 @@ def test_run_survives_a_trainer_kill(tmp_path):
                 p.kill()
     log2 = (tmp_path / "trainer2.log").read_text()
     assert "resumed run" in log2
-    assert latest_version(store) == MAX_VERSIONS > killed_at
+    assert latest_version(store, trust) == MAX_VERSIONS > killed_at
 
-    metas = check_versions(store, MAX_VERSIONS, anchor_every=3)
+    metas = check_versions(store, MAX_VERSIONS, anchor_every=3, trust=trust)
     assert [m.kind for m in metas] == [
         "full" if v % 3 == 0 else "patch" for v in range(MAX_VERSIONS + 1)
     ]
-    check_consumed(store, MAX_LAG)
-    rows = read_rows(store, "trainer")["trainer-main"]
+    check_consumed(store, MAX_LAG, trust)
+    rows = trainer_rows(store, trust)
     assert {r["version"] for r in rows} >= set(range(killed_at + 1, MAX_VERSIONS + 1))
     for r in rows:
         assert r["episodes"] >= 4 * 4 and set(r) >= {
@@ -107,5 +120,9 @@ def test_run_survives_a_trainer_kill(tmp_path):
             "patch_bytes",
             "wait_seconds",
         }
-    hb = json.loads(store.get(keys.worker_key("w1")))
-    assert hb["engine"].startswith("int8") and hb["batches"] >= 1
+    hb = read_document(view.inbox, keys.heartbeat_key("w1"), WorkerHeartbeat)
+    assert hb.engine.startswith("int8") and hb.batches >= 1
+    # Workers wrote only to the inbox; nothing of theirs is in the run's own folders.
+    assert not store.list(keys.CLAIMS) and not store.list("rollouts/")
+    assert all(k.startswith((keys.INBOX, "weights/", "trainer/", "model/", "metrics/trainer-main/"))
+               or k == keys.RUN for k in store.list(""))  # fmt: skip

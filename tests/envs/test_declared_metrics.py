@@ -84,7 +84,7 @@ def test_a_declared_default_must_be_a_warmstart_field(monkeypatch):
         env_defaults("tiny", "wrong_warm_env")
 
 
-def test_prometheus_and_the_report_show_the_declared_metrics(tmp_path):
+def test_prometheus_and_the_report_show_the_declared_metrics(tmp_path, signed_run):
     import urllib.request
 
     from colonnade.protocol import keys
@@ -95,9 +95,10 @@ def test_prometheus_and_the_report_show_the_declared_metrics(tmp_path):
     from colonnade.telemetry import Exporter, Telemetry
 
     store = LocalStore(tmp_path)
+    signer = signed_run(store, env="custom-metrics-env")
     ex = Exporter(0, "main", env_metrics=metrics_of(_custom()))
     try:
-        t = Telemetry(store, "trainer", "main", 0, ex)
+        t = Telemetry.for_trainer(store, signer, 0, ex)
         for v in (1, 2):
             t.write(TrainerRow(time=1e9 + v, version=v, env_metrics={"hops": 0.5 * v}))
         t.row(version=3, env_metrics={"undeclared": 1.0})

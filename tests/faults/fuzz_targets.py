@@ -50,7 +50,8 @@ with atheris.instrument_imports(
     from colonnade.pulse.tensors import DTYPES
 
 VOCAB, MAX_TOKENS = 64, 32
-ROLLOUT_KEY = "rollouts/00000000/w1/000000.safetensors.zst"
+RUN_ID = "r1"
+ROLLOUT_KEY = "w1/rollouts/00000000/000000.safetensors.zst"  # keys.rollout_key(0, "w1", 0)
 
 
 # -- patch -------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def batch_input(data: bytes) -> bytes:
         return rest
     if mode == 1:
         return zstandard.ZstdCompressor().compress(rest)
-    return verify(rest, ROLLOUT_KEY, KEYRING)  # may raise SignatureRejected
+    return verify(rest, RUN_ID, ROLLOUT_KEY, KEYRING, "w1")  # may raise SignatureRejected
 
 
 def fuzz_batch(data: bytes) -> None:
@@ -220,7 +221,7 @@ def batch_seeds() -> list[bytes]:
         b"\0" + VALID_BATCH,
         b"\1" + raw,
         b"\1" + len(text).to_bytes(8, "little") + text + raw[8 + n :],
-        b"\2" + sign(PRIVATE, ROLLOUT_KEY, VALID_BATCH),
+        b"\2" + sign(PRIVATE, RUN_ID, ROLLOUT_KEY, VALID_BATCH),
     ]
 
 

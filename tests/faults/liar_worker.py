@@ -6,7 +6,7 @@ so its mismatch KL (1 nat/token) does not depend on how confident the
 policy is (claiming near-certainty did: against a warm-started policy whose
 tokens average -0.09 nats it stood barely above the floor).
 
-python liar_worker.py --store DIR --id NAME
+python liar_worker.py --store DIR --id NAME [--trust TRAINER_PUB]
 """
 
 import argparse
@@ -32,6 +32,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
     p.add_argument("--id", required=True)
+    p.add_argument("--trust", default="", help="the trainer's key file or fingerprint")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sys.exit(LiarWorker(WorkerConfig(store=a.store, id=a.id)).run())
+    sys.exit(LiarWorker(WorkerConfig(store=a.store, id=a.id, trust=a.trust)).run())

@@ -6,18 +6,24 @@ truncations, extensions, another anchor's bytes) or a patch is. A follower
 must raise VersionError, hold only states that hash to their meta, reach the
 newest version through the next intact anchor (a follower that keeps up
 crosses a damaged anchor on its patch, never reading it), and fall back
-from a bad patch to the anchor where the anchor leads to the target. A worker whose only
-anchor never verifies gives up after its bounded retries, uploading nothing.
+from a bad patch to the anchor where the anchor leads to the target. A
+worker whose only anchor never verifies installs nothing and uploads
+nothing: it counts the version as unverified and waits, backing off to 30 s,
+for the trainer to put its own back (protocol 7: it never exits on what
+anyone could have written), and runs once it is back.
 """
 
 import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from colonnade import pulse
 from colonnade.protocol import Follower, Publisher, VersionError, keys, read_meta
+from colonnade.protocol.signing import Signer
 from colonnade.store import LocalStore
 
 VERSIONS, K = 10, 4
@@ -35,11 +41,15 @@ def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+SIGNER = Signer(Ed25519PrivateKey.generate(), "r1")  # the trainer's, in `run`
+TRUST = SIGNER.trust
+
+
 @pytest.fixture
 def run(tmp_path):
     """(store, metas) with versions 0..VERSIONS-1 published."""
     store = LocalStore(tmp_path)
-    pub = Publisher(store, "int8", anchor_every=K)
+    pub = Publisher(store, SIGNER, "int8", anchor_every=K)
     metas = [pub.publish(s).meta for s in _states(VERSIONS)]
     assert [m.version for m in metas if m.kind == "full"] == [0, 4, 8]
     return store, metas
@@ -69,7 +79,7 @@ def held_ok(f: Follower, metas) -> bool:
 
 
 def synced(store, v: int) -> Follower:
-    f = Follower(store, K)
+    f = Follower(store, K, TRUST)
     f.sync(v)
     return f
 
@@ -92,7 +102,7 @@ def test_a_damaged_anchor_is_refused_and_the_next_anchor_recovers(run):
     for what, bad in [*damages(good, seed=4), ("v0's anchor", store.get(keys.full_key(0)))]:
         store.put(key, bad)
         for target in range(4, 8):  # every version built on the v4 anchor
-            f = Follower(store, K)
+            f = Follower(store, K, TRUST)
             with pytest.raises(VersionError):
                 f.sync(target)
             assert held_ok(f, metas), what
@@ -106,7 +116,7 @@ def test_a_damaged_anchor_is_refused_and_the_next_anchor_recovers(run):
         # comes from the intact v8 anchor.
         past = fork(after)
         assert past.sync(7) and past.version == 7 and held_ok(past, metas), what
-        newest = Follower(store, K)
+        newest = Follower(store, K, TRUST)
         assert newest.sync() and newest.version == VERSIONS - 1, what
         assert held_ok(newest, metas), what
     store.put(key, good)
@@ -141,40 +151,62 @@ def _check_fallback(store, metas, v: int, what: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "meta"])
-def test_a_worker_gives_up_on_an_anchor_that_never_verifies(tmp_path, monkeypatch, damage):
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "meta", "forged meta"])
+def test_a_worker_waits_out_an_anchor_that_never_verifies(tmp_path, monkeypatch, damage,
+                                                          signed_run):  # fmt: skip
     import colonnade.rollout.worker as worker_mod
     from colonnade.config import WorkerConfig
+    from colonnade.protocol.reader import open_run
     from colonnade.rollout.worker import Worker
 
     store = LocalStore(tmp_path)
-    pub = Publisher(store, "int8", anchor_every=K)
-    for s in _states(3):
-        pub.publish(s)
+    signer = signed_run(store, anchor_every=K)
+    pub = Publisher(store, signer, "int8", anchor_every=K)
+    metas = [pub.publish(s).meta for s in _states(3)]
     key = keys.full_key(0)
-    data = bytearray(store.get(key))
+    good_anchor, good_meta = store.get(key), store.get(keys.meta_key(0))
+    data = bytearray(good_anchor)
     if damage == "flip":
         data[len(data) // 2] ^= 0x10
     if damage == "meta":  # the anchor's meta.json itself, cut short
-        store.put(keys.meta_key(0), store.get(keys.meta_key(0))[:-9])
+        store.put(keys.meta_key(0), good_meta[:-9])
+    elif damage == "forged meta":  # another anchor, with a meta.json signed by another key
+        forger = Signer(Ed25519PrivateKey.generate(), "r1")
+        forged = Publisher(LocalStore(tmp_path / "forged"), forger, "int8", anchor_every=K)
+        forged.publish(_states(1, seed=9)[0])
+        store.put(key, forged.store.get(key))
+        store.put(keys.meta_key(0), forged.store.get(keys.meta_key(0)))
     else:
         bad = {"flip": bytes(data), "truncate": data[:-7], "extend": data + b"x"}[damage]
         store.put(key, bad)
-        assert read_meta(store, 0).kind == "full"
+        assert read_meta(store, 0, signer.trust).kind == "full"
 
     delays = []
+    tries = 20
 
     def backoff(log, what, attempt, error, sleep=None):
-        # The schedule the worker would sleep, without sleeping it; a loop
-        # that never gives up fails here instead of hanging the test.
+        # The schedule the worker would sleep, without sleeping it; after
+        # `tries` the test stops it (it would wait on for ever).
         delays.append(min(30.0, 0.5 * 2**attempt))
-        assert len(delays) < 50, f"still retrying after {len(delays)} tries: {error}"
+        if len(delays) == tries:
+            w.stop.requested = True
 
     monkeypatch.setattr(worker_mod, "backoff", backoff)
+    # The engine is faked: built from whatever state the follower installs.
+    monkeypatch.setattr(worker_mod, "engine_for", lambda *a, **k: SimpleNamespace(version=a[6]))
     w = Worker(WorkerConfig(store=str(tmp_path), id="w1"), store)
-    w.follower = Follower(store, K)  # what setup() builds; the loop needs nothing else here
-    with pytest.raises(VersionError):
-        w._loop()
-    assert len(delays) == 6 and sum(delays) == 31.5  # bounded: ~32 s, then exit
-    assert w.follower.state is None and w.batches == 0
-    assert store.list("rollouts/") == []
+    view = open_run(store)
+    # What setup() builds; the loop needs nothing else here.
+    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
+    w.follower = Follower(store, K, w.trust)
+    w.model = w.tok = w.aliases = w.device = None
+    w._loop()  # returns only because the test stopped it
+    assert len(delays) == tries and max(delays) == 30.0  # backs off, never gives up
+    assert w.pending["unverified"] == tries
+    assert w.follower.state is None and w.engine is None and w.batches == 0
+    assert view.inbox.list("") == []
+    # The trainer puts its own back: the worker installs the newest version.
+    store.put(key, good_anchor)
+    store.put(keys.meta_key(0), good_meta)
+    w.sync()
+    assert w.running_version == 2 and held_ok(w.follower, metas)

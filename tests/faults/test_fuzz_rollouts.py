@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ from colonnade.protocol import (
     decode_batch,
     keys,
 )
-from colonnade.protocol.signing import SignatureRejected, verify
+from colonnade.protocol.signing import MAGIC, SIG_BYTES, SignatureRejected, sign, verify
 from colonnade.train.samples import Rejected, rebuild_group
 
 VOCAB = 64
@@ -124,11 +125,22 @@ def test_lying_header_sizes_and_cut_bytes(size, tail, cut):
     _within_bounds(_decode(compress(raw + tail)))
 
 
+PRIVATE = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+KEYRING = {"w1": PRIVATE.public_key()}
+
+
 @FAST
 @given(st.binary(max_size=200))
 def test_signature_check_on_random_bytes(data):
+    key = keys.rollout_key(0, "w1", 0)
+    for ring in (KEYRING, {}):  # a registered worker's key, and none
+        with pytest.raises(SignatureRejected):
+            verify(data, "r1", key, ring, "w1")
+    # A real signature of other bytes (longer than any `data`) does not cover them.
+    head = sign(PRIVATE, "r1", key, bytes(201))[: len(MAGIC) + SIG_BYTES]
     with pytest.raises(SignatureRejected):
-        verify(data, keys.rollout_key(0, "w1", 0), {})
+        verify(head + data, "r1", key, KEYRING, "w1")
+    assert verify(sign(PRIVATE, "r1", key, data), "r1", key, KEYRING, "w1") == data
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""What a hostile worker can put in the store, against the real collector and stores.
+"""What a hostile worker can put in the inbox, against the real collector and stores.
 
 Each case an attacker tried: JSON nested to blow the stack, things that are
 not files, binary batches that lie (dtypes, shapes, lengths, NaN, huge or
@@ -8,7 +8,10 @@ payload first, replaying trained episodes re-encoded, keys with a newline or
 non-ASCII digits. The trainer's
 collector rejects each (counted under a reason) and goes on to the honest
 batch beside it; the local store never hangs, never reads past its bound
-and never writes outside its root.
+and never writes outside its root. In an open run an id whose batches were
+never accepted gets no per-worker counters (junk under fresh names grows no
+state); in a signed run a registered worker that turns hostile is counted
+under its own name.
 """
 
 import json
@@ -20,6 +23,7 @@ import threading
 import numpy as np
 import pytest
 import zstandard
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,6 +39,11 @@ from colonnade.untrusted import json_depth
 from heartbeats import worker_heartbeat
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
+RUN = "r1"
+# Registered workers of a signed run (fixed keys), for the cases that count per worker.
+PRIVATE = {w: Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32)
+           for i, w in enumerate(("attacker", "honest"), 1)}  # fmt: skip
+KEYRING = {w: k.public_key() for w, k in PRIVATE.items()}
 
 
 def _batch(worker, seq=0, version=0, task="t1", tokens=(1, 2)):
@@ -46,13 +55,20 @@ def _rebuild(group, version):
     return [Sample(group.task_id, version, 1, [0, 1, 2], [True, True], [-0.1, -0.2], None)] * 2
 
 
-def _collector(store, **kw):
-    return Collector(store, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01, **kw)
+def _collector(inbox, **kw):
+    return Collector(inbox, RUN, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01,
+                     **kw)  # fmt: skip
 
 
-def _honest(store, worker="honest", seq=0, **kw):
+def _signed(key: str, data: bytes) -> bytes:
+    """`data` as the registered worker of `key` uploads it in a signed run."""
+    return sign(PRIVATE[keys.parse_rollout_key(key)[1]], RUN, key, data)
+
+
+def _honest(inbox, worker="honest", seq=0, signed=False, **kw):
     key = keys.rollout_key(0, worker, seq)
-    store.put(key, encode_batch(_batch(worker, seq, **kw)))
+    data = encode_batch(_batch(worker, seq, **kw))
+    inbox.put(key, _signed(key, data) if signed else data)
     return key
 
 
@@ -107,17 +123,18 @@ def test_a_deeply_nested_batch_is_rejected_and_the_honest_one_taken(tmp_path):
     c = _collector(store)
     got = c.collect(0, need=1, timeout=1)
     assert got.keys == [honest] and len(got.groups) == 1
-    assert c.counts["rejected_schema"] == 1 and c.per_worker["attacker"]["batches_rejected"] == 1
+    assert c.counts["rejected_schema"] == 1 and "attacker" not in c.per_worker
 
 
 def test_a_deeply_nested_heartbeat_is_skipped(tmp_path):
-    store = LocalStore(tmp_path)
-    store.put(keys.worker_key("attacker"), DEEP[:50_000] + DEEP[-50_000:])
-    store.put(keys.worker_key("nested"), b'{"worker": ' + b"[" * 30 + b"]" * 30 + b"}")
-    store.put(keys.worker_key("honest"), worker_heartbeat("honest").to_json())
-    store.put(keys.worker_key("impostor"), worker_heartbeat("honest", version=9).to_json())
-    store.put(keys.worker_key("partial"), json.dumps({"worker": "partial", "time": 1.0}).encode())
-    hb = worker_heartbeats(store)
+    inbox = LocalStore(tmp_path)
+    inbox.put(keys.heartbeat_key("attacker"), DEEP[:50_000] + DEEP[-50_000:])
+    inbox.put(keys.heartbeat_key("nested"), b'{"worker": ' + b"[" * 30 + b"]" * 30 + b"}")
+    inbox.put(keys.heartbeat_key("honest"), worker_heartbeat("honest").to_json())
+    inbox.put(keys.heartbeat_key("impostor"), worker_heartbeat("honest", version=9).to_json())
+    partial = json.dumps({"worker": "partial", "time": 1.0}).encode()
+    inbox.put(keys.heartbeat_key("partial"), partial)
+    hb = worker_heartbeats(inbox)
     assert set(hb) == {"honest"} and hb["honest"].version == 0
 
 
@@ -170,8 +187,8 @@ def test_objects_that_are_not_files_are_refused_at_once(tmp_path, kind):
 
 def test_a_file_where_a_folder_should_be_is_a_store_error(tmp_path):
     store = LocalStore(tmp_path)
-    (tmp_path / "rollouts").mkdir()
-    (tmp_path / "rollouts" / "00000000").write_bytes(b"in the way")
+    (tmp_path / "honest" / "rollouts").mkdir(parents=True)
+    (tmp_path / "honest" / "rollouts" / "00000000").write_bytes(b"in the way")
     with pytest.raises(StoreError, match="file stands where its folder should"):
         store.put_if_absent(keys.rollout_key(0, "honest", 0), b"batch")
 
@@ -180,16 +197,15 @@ def test_a_symlinked_folder_cannot_lead_writes_or_reads_outside(tmp_path):
     store = LocalStore(tmp_path / "store")
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    (outside / "honest").mkdir()
-    (outside / "honest" / f"000001{keys.ROLLOUT_EXT}").write_bytes(b"outside")
-    (store.root / "rollouts").mkdir()
-    os.symlink(outside, store.root / "rollouts" / "00000000")
+    (outside / f"000001{keys.ROLLOUT_EXT}").write_bytes(b"outside")
+    (store.root / "honest" / "rollouts").mkdir(parents=True)
+    os.symlink(outside, store.root / "honest" / "rollouts" / "00000000")
     with pytest.raises(InvalidObject, match="out of the store"):
         store.put_if_absent(keys.rollout_key(0, "honest", 0), b"batch")
     with pytest.raises(InvalidObject):
         store.get(keys.rollout_key(0, "honest", 1))
-    assert not (outside / "honest" / f"000000{keys.ROLLOUT_EXT}").exists()
-    assert store.list("rollouts/") == []  # a symlinked folder is not walked
+    assert not (outside / f"000000{keys.ROLLOUT_EXT}").exists()
+    assert store.list("honest/") == []  # a symlinked folder is not walked
 
 
 # -- 2b. hostile binary batches ------------------------------------------------------------
@@ -229,24 +245,69 @@ def _hostile_batches() -> dict[str, tuple[bytes, str]]:
         "nested metadata": (forge({"x": _nested(1, 200)}, t), "schema"),
         "a pickle": (compress(b"\x80\x04\x95" + raw), "schema"),
         "header cut short": (compress(raw[: 8 + n // 2]), "schema"),
-        "protocol 7": (forge({**fields, "protocol": 7}, t), "protocol"),
+        "protocol 8": (forge({**fields, "protocol": 8}, t), "protocol"),
+        "protocol 6 (the last release)": (forge({**fields, "protocol": 6}, t), "protocol"),
         "protocol 5 (PULSE format 2)": (forge({**fields, "protocol": 5}, t), "protocol"),
         "a JSON batch (protocol 2)": (compress(json.dumps(json_batch).encode()), "protocol"),
     }
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["open", "signed"])
 @pytest.mark.parametrize("name", list(_hostile_batches()))
-def test_hostile_binary_batches_are_rejected_and_the_honest_one_taken(tmp_path, name):
+def test_hostile_binary_batches_are_rejected_and_the_honest_one_taken(tmp_path, name, signed):
+    # Signed: a registered worker turned hostile; its signature holds, its bytes do not.
     data, reason = _hostile_batches()[name]
-    store = LocalStore(tmp_path)
-    store.put(keys.rollout_key(0, "attacker", 0), data)
-    honest = _honest(store)
-    c = _collector(store)
+    inbox = LocalStore(tmp_path)
+    key = keys.rollout_key(0, "attacker", 0)
+    inbox.put(key, _signed(key, data) if signed else data)
+    honest = _honest(inbox, signed=signed)
+    c = _collector(inbox, keyring=KEYRING if signed else None)
     got = _in_time(lambda: c.collect(0, need=1, timeout=1))
     assert got.keys == [honest] and len(got.groups) == 1
-    assert got.rejected == [keys.rollout_key(0, "attacker", 0)]
+    assert got.rejected == [key]
     assert c.counts[f"rejected_{reason}"] == 1 and c.counts["batches_rejected"] == 1
-    assert c.per_worker["attacker"]["batches_rejected"] == 1
+    if signed:
+        assert c.per_worker["attacker"]["batches_rejected"] == 1
+        assert c.per_worker["attacker"][f"rejected_{reason}"] == 1
+    else:
+        assert "attacker" not in c.per_worker
+
+
+@pytest.mark.parametrize(
+    "forgery, reason",
+    [
+        ("unsigned", "unsigned"),
+        ("another worker's key", "bad_signature"),
+        ("signed for another key", "bad_signature"),
+        ("signed for another run", "bad_signature"),
+        ("an id not registered", None),
+    ],
+)
+def test_a_signed_run_takes_only_batches_its_worker_signed(tmp_path, forgery, reason):
+    inbox = LocalStore(tmp_path)
+    data = encode_batch(_batch("attacker"))
+    key = keys.rollout_key(0, "attacker", 0)
+    other = keys.rollout_key(0, "attacker", 1)
+    forged = {
+        "unsigned": data,
+        "another worker's key": sign(PRIVATE["honest"], RUN, key, data),
+        "signed for another key": sign(PRIVATE["attacker"], RUN, other, data),
+        "signed for another run": sign(PRIVATE["attacker"], "r2", key, data),
+    }
+    if reason is None:  # never read: retention deletes it
+        key = keys.rollout_key(0, "stranger", 0)
+        forged[forgery] = encode_batch(_batch("stranger"))
+    inbox.put(key, forged[forgery])
+    honest = _honest(inbox, signed=True)
+    c = _collector(inbox, keyring=KEYRING)
+    got = _in_time(lambda: c.collect(0, need=1, timeout=1))
+    assert got.keys == [honest] and len(got.groups) == 1
+    if reason is None:
+        assert got.rejected == [] and c.counts["batches_rejected"] == 0
+        assert "stranger" not in c.per_worker
+    else:
+        assert got.rejected == [key] and c.counts[f"rejected_{reason}"] == 1
+        assert c.per_worker["attacker"][f"rejected_{reason}"] == 1
 
 
 def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
@@ -257,7 +318,7 @@ def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="colonnade.trainer"):
         c.collect(0, need=1, timeout=0.2)
     (line,) = [r.getMessage() for r in caplog.records if "rejected batch" in r.getMessage()]
-    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 6" in line
+    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 7" in line
     assert "\n" not in line
 
 
@@ -328,7 +389,7 @@ def test_two_signed_workers_sending_the_same_episodes_the_first_wins(tmp_path):
     for w in ("w1", "w2"):
         _, private = load_private(keydir / f"{w}.key")
         key = keys.rollout_key(0, w, 0)
-        store.put(key, sign(private, key, encode_batch(_batch(w))))
+        store.put(key, sign(private, RUN, key, encode_batch(_batch(w))))
     c = _collector(store, keyring=load_keyring(keydir))
     got = c.collect(0, need=2, timeout=0.5)
     assert got.keys == [keys.rollout_key(0, "w1", 0)] and len(got.groups) == 1
@@ -341,22 +402,26 @@ def test_two_signed_workers_sending_the_same_episodes_the_first_wins(tmp_path):
 @pytest.mark.parametrize(
     "key",
     [
-        "rollouts/00000000/w1/000000.safetensors.zst\n",
-        "rollouts/٠٠٠٠٠٠٠٠/w1/000000.safetensors.zst",
-        "rollouts/00000000/w1/٠٠٠٠٠٠.safetensors.zst",
-        "rollouts/00000000/w1\n/000000.safetensors.zst",
-        "rollouts/00000000/" + "w" * 65 + "/000000.safetensors.zst",
-        "rollouts/00000000/w1/000000.safetensors",
-        "rollouts/00000000/w1/000000.json.zst",  # protocol 2's
+        "w1/rollouts/00000000/000000.safetensors.zst\n",
+        "w1/rollouts/٠٠٠٠٠٠٠٠/000000.safetensors.zst",
+        "w1/rollouts/00000000/٠٠٠٠٠٠.safetensors.zst",
+        "w1\n/rollouts/00000000/000000.safetensors.zst",
+        "w" * 65 + "/rollouts/00000000/000000.safetensors.zst",
+        "w1/rollouts/00000000/000000.safetensors",
+        "w1/rollouts/00000000/000000.json.zst",  # protocol 2's
+        "rollouts/00000000/w1/000000.safetensors.zst",  # protocol 6's, at the run's root
+        "claims/rollouts/00000000/000000.safetensors.zst",  # the shared folder is no worker
+        "inbox/w1/rollouts/00000000/000000.safetensors.zst",  # keys are the inbox's own
     ],
 )
 def test_key_patterns_are_strict(key):
     assert keys.parse_rollout_key(key) is None
+    assert keys.inbox_owner(key) is None
     assert keys.parse_rollout_key(keys.rollout_key(0, "w1", 0)) == (0, "w1", 0)
 
 
 def test_worker_ids_are_strict():
-    for bad in ("w1\n", "w١", "", "-w", "w" * 65):
+    for bad in ("w1\n", "w١", "", "-w", "w" * 65, "claims"):
         with pytest.raises(ValueError):
             keys.check_worker_id(bad)
     assert keys.check_worker_id("w-1.a_b") == "w-1.a_b"
@@ -374,7 +439,10 @@ def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path)
     import time
 
     from colonnade.protocol import latest_version
+    from colonnade.protocol.documents import ConsumedLedger, read_signed
+    from colonnade.protocol.reader import open_run
     from colonnade.report import build_report
+    from colonnade.telemetry import trainer_rows
 
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -397,15 +465,18 @@ def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path)
     store = LocalStore(root)
     first = trainer(20, "trainer1.log")
     wait(lambda: store.exists(keys.RUN), "run.json", [first])
-    store.put(keys.rollout_key(0, "attacker", 0), zstandard.ZstdCompressor().compress(DEEP))
-    _plant(store, tmp_path, "fifo", keys.rollout_key(0, "attacker", 1))
-    _plant(store, tmp_path, "dev-zero", keys.rollout_key(0, "attacker", 2))
-    store.put(keys.worker_key("attacker"), DEEP)
+    view = open_run(store)
+    inbox, trust = view.inbox, view.trust
+    inbox.put(keys.rollout_key(0, "attacker", 0), zstandard.ZstdCompressor().compress(DEEP))
+    _plant(inbox, tmp_path, "fifo", keys.rollout_key(0, "attacker", 1))
+    _plant(inbox, tmp_path, "dev-zero", keys.rollout_key(0, "attacker", 2))
+    inbox.put(keys.heartbeat_key("attacker"), DEEP)
     worker_log = (tmp_path / "w.log").open("w")
-    worker = subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest"], env=env,
+    worker = subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest",
+                               "--trust", trust.fingerprint], env=env,
                               stdout=worker_log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        wait(lambda: (latest_version(store) or 0) >= 2, "v2", [first, worker])
+        wait(lambda: (latest_version(store, trust) or 0) >= 2, "v2", [first, worker])
         first.send_signal(signal.SIGKILL)
         first.wait()
         second = trainer(4, "trainer2.log")
@@ -421,13 +492,11 @@ def test_a_real_trainer_survives_them_and_counts_them_across_a_restart(tmp_path)
     assert report["rollouts_rejected"] == 3
     # Trained batches only: the steps' own counts. The ledgers may list more:
     # the killed trainer's last step consumed batches whose row it never wrote.
-    from colonnade.telemetry import read_rows
-
-    rows = read_rows(store, "trainer")["trainer-main"]
-    ledgered = sum(len(json.loads(store.get(k))["keys"]) for k in store.list("trainer/consumed/"))
+    rows = trainer_rows(store, trust)
+    ledgers = [read_signed(store, k, ConsumedLedger, trust) for k in store.list(keys.CONSUMED)]
+    ledgered = sum(len(d.keys) for d in ledgers)
     assert report["rollouts_consumed"] == sum(r["batches_trained"] for r in rows) > 0
     assert report["rollouts_consumed"] <= ledgered
-    ledgers = [json.loads(store.get(k)) for k in store.list("trainer/consumed/")]
-    assert sorted(k for d in ledgers for k in d.get("rejected", [])) == [
+    assert sorted(k for d in ledgers for k in d.rejected) == [
         keys.rollout_key(0, "attacker", i) for i in range(3)
     ]

@@ -7,7 +7,6 @@ above the honest worker's, it is quarantined, and its later batches are
 refused while the honest worker's keep training.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -16,8 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from colonnade.protocol import keys
+from colonnade.protocol.documents import Quarantine, read_signed
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.store import LocalStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import trainer_rows
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
@@ -44,16 +47,21 @@ def test_a_lying_worker_is_quarantined(tmp_path):
          "--good-fraction", "0.3"],
         env=env, capture_output=True, text=True, check=True, timeout=200,
     ).stdout.strip()  # fmt: skip
+    # The trainer's key, made ahead: the workers trust it before the run exists.
+    key, pub = new_keypair("trainer", tmp_path / "keys")
     cfg = tmp_path / "trainer.toml"
     cfg.write_text(
         f'store = "{root}"\nmodel = "{model}"\nmax_versions = 8\nquarantine_min_tokens = 50\n'
+        f'key = "{key}"\n'
     )
     logs = {n: (tmp_path / f"{n}.log").open("w") for n in ("trainer", "honest", "liar")}
+    trusting = ["--trust", str(pub)]
     procs = [
-        subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest"],
+        subprocess.Popen([*cli, "worker", "--store", str(root), "--id", "honest", *trusting],
                          env=env, stdout=logs["honest"], stderr=subprocess.STDOUT),
         subprocess.Popen([sys.executable, str(HERE / "liar_worker.py"), "--store", str(root),
-                          "--id", "liar"], env=env, stdout=logs["liar"], stderr=subprocess.STDOUT),
+                          "--id", "liar", *trusting],
+                         env=env, stdout=logs["liar"], stderr=subprocess.STDOUT),
     ]  # fmt: skip
     # Both workers wait for the run before it starts: the fleet makes what the
     # trainer asks for, so a worker still starting up (seconds on a loaded
@@ -71,13 +79,14 @@ def test_a_lying_worker_is_quarantined(tmp_path):
             p.kill()
             p.wait()
     store = LocalStore(root)
-    assert store.exists("trainer/quarantine.json"), (tmp_path / "trainer.log").read_text()[-3000:]
-    quarantine = json.loads(store.get("trainer/quarantine.json"))
+    trust = open_run(store, trusted_fingerprint(str(pub))).trust  # the key given
+    assert store.exists(keys.QUARANTINE), (tmp_path / "trainer.log").read_text()[-3000:]
+    quarantine = read_signed(store, keys.QUARANTINE, Quarantine, trust).decisions
     assert list(quarantine) == ["liar"], quarantine
-    assert "mismatch KL" in quarantine["liar"]["reason"]
-    rows = read_rows(store, "trainer")["trainer-main"]
+    assert "mismatch KL" in quarantine["liar"].reason
+    rows = trainer_rows(store, trust)
     assert rows[-1]["version"] == 8
-    after = [r for r in rows if r["version"] > quarantine["liar"]["version"]]
+    after = [r for r in rows if r["version"] > quarantine["liar"].version]
     assert after and all("liar" not in r["gate_by_worker"] for r in after)
     # Its batches that came after the decision were refused; once it synced a
     # newer version it read the decision and stopped, saying why.

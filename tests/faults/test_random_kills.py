@@ -7,7 +7,10 @@ mid-step and mid-publish as chance has it, and restarts it (the trainer with
 --takeover). Then the run is left to finish, and the invariants are checked:
 every version 0..N exists once and rebuilds to its hash, no batch was
 consumed twice or outside max_lag, and no object in the store is partial
-(every rollout decodes; every checkpoint that counts is complete).
+(every rollout in the inbox decodes; every checkpoint that counts is
+complete and signed). The trainer comes back with the key it made at the
+first start (kept in the cache for this store); restarted workers pin it
+again from run.json.
 """
 
 import json
@@ -19,8 +22,11 @@ import pytest
 
 from colonnade.launch.processes import spawn
 from colonnade.protocol import decode_batch, keys, latest_version
+from colonnade.protocol.inbox import list_inbox
+from colonnade.protocol.reader import open_run
 from colonnade.protocol.signing import strip_unsigned
 from colonnade.store import LocalStore
+from colonnade.train.checkpoint import checkpoints, read_state
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -49,16 +55,18 @@ def test_random_sigkills_leave_a_consistent_run(tmp_path, seed, monkeypatch):
     while not store.exists(keys.RUN):
         assert time.monotonic() < deadline, (logs / "trainer.log").read_text()[-2000:]
         time.sleep(0.2)
+    view = open_run(store)
+    trust = view.trust
     for w in ("w1", "w2"):
         procs[w] = spawn(w, ["worker", "--store", str(root), "--id", w], logs, 1)
     killed = []
     try:
-        while len(killed) < KILLS and (latest_version(store) or 0) < VERSIONS - 2:
+        while len(killed) < KILLS and (latest_version(store, trust) or 0) < VERSIONS - 2:
             time.sleep(rng.uniform(0.5, 3.0))
             name = rng.choice(sorted(procs))
             procs[name].proc.send_signal(signal.SIGKILL)
             procs[name].proc.wait()
-            killed.append((name, latest_version(store)))
+            killed.append((name, latest_version(store, trust)))
             args = _trainer_args(root, True) if name == "trainer" else [
                 "worker", "--store", str(root), "--id", name]  # fmt: skip
             procs[name] = spawn(name, args, logs, 1)
@@ -73,12 +81,19 @@ def test_random_sigkills_leave_a_consistent_run(tmp_path, seed, monkeypatch):
     assert len(killed) >= 1
     (tmp_path / "kills.json").write_text(json.dumps(killed))
 
-    assert latest_version(store) == VERSIONS
-    check_versions(store, VERSIONS, ANCHOR)
-    check_consumed(store, MAX_LAG)
+    assert latest_version(store, trust) == VERSIONS
+    # The trainer that came back signed with the run's key: everything verifies.
+    assert open_run(store, trust.fingerprint).trust == trust
+    check_versions(store, VERSIONS, ANCHOR, trust)
+    check_consumed(store, MAX_LAG, trust)
     # No partial object: every rollout decodes, every listed checkpoint is complete.
-    for key in store.list("rollouts/"):
-        decode_batch(strip_unsigned(store.get(key)), 1 << 20, 1 << 16)
-    for key in store.list("trainer/checkpoints/"):
-        if key.endswith("state.json"):
-            assert json.loads(store.get(key))
+    listing = list_inbox(view.inbox)
+    assert not listing.junk and not listing.beyond
+    rollouts = [k for found in listing.rollouts.values() for k in found]
+    assert rollouts
+    for key in rollouts:
+        decode_batch(strip_unsigned(view.inbox.get(key)), 1 << 20, 1 << 16)
+    found = checkpoints(store)
+    assert found
+    for v in found:
+        assert read_state(store, v, trust)["version"] == v

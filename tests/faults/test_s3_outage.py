@@ -14,8 +14,10 @@ import uuid
 
 import pytest
 
-from colonnade.protocol import Follower, latest_version, read_meta
-from colonnade.store import StoreError, open_store
+from colonnade.protocol import Follower, SchemaError, latest_version, read_meta
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import new_keypair, trusted_fingerprint
+from colonnade.store import NotFound, StoreError, open_store
 from s3server import SeaweedServer, weed_binary
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -34,19 +36,23 @@ def test_run_survives_an_s3_outage(tmp_path, monkeypatch):
         common = ["--store", url, "--endpoint-url", srv.endpoint]
         cli = [sys.executable, "-m", "colonnade.cli.main"]
         tlog, wlog = (tmp_path / "trainer.log").open("w"), (tmp_path / "worker.log").open("w")
+        key, pub = new_keypair("trainer", tmp_path / "keys")
         trainer = subprocess.Popen(
-            [*cli, "trainer", *common, "--preset", "smoke", "--max-versions", "6", "--retain-all"],
+            [*cli, "trainer", *common, "--preset", "smoke", "--max-versions", "6", "--retain-all",
+             "--key", str(key)],
             env=env, stdout=tlog, stderr=subprocess.STDOUT,
         )  # fmt: skip
         worker = subprocess.Popen(
-            [*cli, "worker", *common, "--id", "w1"], env=env, stdout=wlog, stderr=subprocess.STDOUT
-        )
+            [*cli, "worker", *common, "--id", "w1", "--trust", str(pub)],
+            env=env, stdout=wlog, stderr=subprocess.STDOUT,
+        )  # fmt: skip
         store = open_store(url, endpoint_url=srv.endpoint)
+        fingerprint = trusted_fingerprint(str(pub))
 
         def version():
             try:
-                return latest_version(store) or 0
-            except StoreError:
+                return latest_version(store, open_run(store, fingerprint).trust) or 0
+            except (NotFound, StoreError, SchemaError):
                 return 0
 
         try:
@@ -66,8 +72,9 @@ def test_run_survives_an_s3_outage(tmp_path, monkeypatch):
                 p.wait()
         logs = (tmp_path / "trainer.log").read_text() + (tmp_path / "worker.log").read_text()
         assert "store unavailable" in logs
-        assert latest_version(store) == 6
-        f = Follower(store, anchor_every=10)
+        trust = open_run(store, fingerprint).trust
+        assert latest_version(store, trust) == 6
+        f = Follower(store, anchor_every=10, trust=trust)
         for v in range(7):
             f.sync(v)
-            assert f.state_hash == read_meta(store, v).state_hash
+            assert f.state_hash == read_meta(store, v, trust).state_hash

@@ -19,9 +19,13 @@ from pathlib import Path
 import pytest
 
 from colonnade.protocol import keys, latest_version
+from colonnade.protocol.documents import ConsumedLedger, read_signed
+from colonnade.protocol.inbox import list_inbox
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.report import build_report
 from colonnade.store import LocalStore
-from colonnade.telemetry import read_rows
+from colonnade.telemetry import trainer_rows, worker_rows
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
@@ -29,15 +33,15 @@ HERE = Path(__file__).parent
 VERSIONS, MAX_LAG, DELAY = 40, 1, 2.0
 
 
-def _start(tmp_path: Path, root: Path) -> list[subprocess.Popen]:
+def _start(tmp_path: Path, root: Path, key: Path, pub: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "colonnade.cli.main"]
     cmds = {
-        "trainer": [*cli, "trainer", "--store", str(root), "--preset", "smoke",
+        "trainer": [*cli, "trainer", "--store", str(root), "--preset", "smoke", "--key", str(key),
                     "--max-versions", str(VERSIONS), "--max-lag", str(MAX_LAG), "--retain-all"],
-        "fast": [*cli, "worker", "--store", str(root), "--id", "fast"],
+        "fast": [*cli, "worker", "--store", str(root), "--id", "fast", "--trust", str(pub)],
         "slow": [sys.executable, str(HERE / "slow_worker.py"), "--store", str(root),
-                 "--id", "slow", "--delay", str(DELAY)],
+                 "--id", "slow", "--delay", str(DELAY), "--trust", str(pub)],
     }  # fmt: skip
     return [
         subprocess.Popen(cmd, env=env, stdout=(tmp_path / f"{name}.log").open("w"),
@@ -46,12 +50,12 @@ def _start(tmp_path: Path, root: Path) -> list[subprocess.Popen]:
     ]  # fmt: skip
 
 
-def _consumed(store) -> dict[str, int]:
-    """Rollout key -> the version its step published (ledger file names)."""
+def _consumed(store, trust) -> dict[str, int]:
+    """Rollout key -> the version its step published (the signed ledgers)."""
     out = {}
-    for ledger in store.list("trainer/consumed/"):
-        trained = int(ledger.split("/")[-1].split("-")[0])
-        for key in json.loads(store.get(ledger))["keys"]:
+    for ledger in store.list(keys.CONSUMED):
+        trained, _ = keys.parse_consumed_key(ledger)
+        for key in read_signed(store, ledger, ConsumedLedger, trust).keys:
             assert key not in out, f"{key} consumed twice"
             out[key] = trained
     return out
@@ -60,7 +64,8 @@ def _consumed(store) -> dict[str, int]:
 @pytest.mark.timeout(150)
 def test_a_slow_worker_does_not_hold_back_a_fast_one(tmp_path):
     root = tmp_path / "run"
-    procs = _start(tmp_path, root)
+    key, pub = new_keypair("trainer", tmp_path / "keys")
+    procs = _start(tmp_path, root, key, pub)
     try:
         assert procs[0].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for p, name in zip(procs[1:], ("fast", "slow"), strict=True):
@@ -71,12 +76,16 @@ def test_a_slow_worker_does_not_hold_back_a_fast_one(tmp_path):
             p.kill()
             p.wait()
     store = LocalStore(root)
-    assert latest_version(store) == VERSIONS
-    consumed = _consumed(store)
+    view = open_run(store, trusted_fingerprint(str(pub)))
+    assert latest_version(store, view.trust) == VERSIONS
+    consumed = _consumed(store, view.trust)
     # The rule: a step for v (publishing v + 1) takes batches of v - max_lag .. v only.
     for key, trained in consumed.items():
         assert trained - 1 - keys.parse_rollout_key(key)[0] <= MAX_LAG, key
-    uploaded = {w: [k for k in store.list("rollouts/") if f"/{w}/" in k] for w in ("fast", "slow")}
+    listing = list_inbox(view.inbox)
+    everything = sorted(k for found in listing.rollouts.values() for k in found)
+    uploaded = {w: [k for k in everything if keys.parse_rollout_key(k)[1] == w]
+                for w in ("fast", "slow")}  # fmt: skip
     taken = {w: [k for k in ks if k in consumed] for w, ks in uploaded.items()}
     # Stale: never taken, and made with a version the last step could not use.
     stale = [
@@ -86,13 +95,14 @@ def test_a_slow_worker_does_not_hold_back_a_fast_one(tmp_path):
     ]
     assert stale, uploaded["slow"]
     # The slow worker's own metrics say how far behind each batch landed.
-    skews = [r["version_skew"] for r in read_rows(store, "worker")["worker-slow"]]
+    skews = [r["version_skew"] for r in worker_rows(view.inbox)["slow"]]
     assert max(skews) > MAX_LAG
-    _check_pace(store, consumed, taken)
-    _report(store, consumed, uploaded, taken, stale, skews)
+    rows = trainer_rows(store, view.trust)
+    _check_pace(rows, consumed, taken)
+    _report(store, rows, consumed, everything, uploaded, taken, stale, skews)
 
 
-def _check_pace(store, consumed, taken) -> None:
+def _check_pace(rows, consumed, taken) -> None:
     """The trainer went at the fast worker's pace, not the slow one's: it
     published every version in turn, every step trained on the fast worker's
     batches, and the slow one's are at most a tenth of what it took.
@@ -101,18 +111,16 @@ def _check_pace(store, consumed, taken) -> None:
     (`_report` prints it; measured runs in docs/reliability.md), which a
     loaded machine would turn into a failure of a rule that still held.
     """
-    rows = read_rows(store, "trainer")["trainer-main"]
     assert [r["version"] for r in rows] == list(range(1, VERSIONS + 1))
     with_fast = {v for k, v in consumed.items() if keys.parse_rollout_key(k)[1] == "fast"}
     assert with_fast == set(range(1, VERSIONS + 1))
     assert len(taken["fast"]) >= 10 * max(1, len(taken["slow"])), taken["slow"]
 
 
-def _report(store, consumed, uploaded, taken, stale, skews) -> None:
-    rows = read_rows(store, "trainer")["trainer-main"]
+def _report(store, rows, consumed, everything, uploaded, taken, stale, skews) -> None:
     counted = rows[-1].get("batches_dropped_stale", 0)
     # Every unconsumed batch of a swept version could be counted; none more.
-    below = [k for k in store.list("rollouts/") if k not in consumed
+    below = [k for k in everything if k not in consumed
              and keys.parse_rollout_key(k)[0] < VERSIONS - 1 - MAX_LAG]  # fmt: skip
     assert counted <= len(below)
     # The report counts them all from the store: stale, late, or left at the end.

@@ -17,6 +17,12 @@ def test_precedence_and_table_merge(tmp_path):
     assert (trainer.lr, trainer.max_versions, trainer.group_size) == (0.5, 4, 8)
     assert trainer.model == "/some/model" and trainer.store == str(tmp_path / "store")
     assert worker.store == trainer.store
+    # The launcher's trainer key, under the run's out folder; its workers pin its .pub.
+    assert trainer.key == str(tmp_path / "trainer-key" / "trainer.key")
+    assert worker.trust == str(tmp_path / "trainer-key" / "trainer.pub")
+    # A [worker] trust of the operator's own is kept.
+    cfg = resolve_run_config("smoke", out=str(tmp_path), worker={"trust": "SHA256:" + "a" * 43})
+    assert role_configs(cfg)[1].trust == "SHA256:" + "a" * 43
 
 
 @pytest.mark.parametrize(

@@ -142,24 +142,46 @@ def test_first_ctrl_c_stops_gracefully_a_second_aborts(run):
 def test_a_failed_trainer_still_ends_in_its_last_version_exported_and_evaluated(run, monkeypatch):
     supervise, calls = run
     dies = "print('up', flush=True)\nprint('killed for memory', flush=True)\nraise SystemExit(1)\n"
-    monkeypatch.setattr(launch_run, "latest_version", lambda store: 40)
+    monkeypatch.setattr(launch_run, "_final", lambda store: 40)
     facts, said = supervise(EarlyStop(), script=dies)
     assert facts["status"] == "failed" and calls["after"] == 1, said
     assert "the trainer exited with 1" in said and "killed for memory" in said
     assert "exporting and evaluating v40, its last" in said
     # Nothing published beyond the base model: nothing to export.
     calls["after"] = 0
-    monkeypatch.setattr(launch_run, "latest_version", lambda store: 0)
+    monkeypatch.setattr(launch_run, "_final", lambda store: 0)
     facts, said = supervise(EarlyStop(), script=dies)
     assert facts["status"] == "failed" and calls["after"] == 0, said
 
     def broken(*a):
         raise OSError("disk full")
 
-    monkeypatch.setattr(launch_run, "latest_version", lambda store: 40)
+    monkeypatch.setattr(launch_run, "_final", lambda store: 40)
     monkeypatch.setattr(launch_run, "_after", broken)
     facts, said = supervise(EarlyStop(), script=dies)
     assert facts["status"] == "failed" and "could not be exported or evaluated: disk full" in said
+
+
+def test_the_last_version_is_the_newest_the_runs_trainer_signed(tmp_path, signed_run):
+    import torch
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from colonnade.protocol import Publisher
+    from colonnade.protocol.signing import Signer
+
+    store = LocalStore(tmp_path)
+    assert launch_run._final(store) is None  # no run.json: nothing to export
+    signer = signed_run(store)
+    assert launch_run._final(store) is None  # a run, no version yet
+    pub = Publisher(store, signer, "bf16", anchor_every=10)
+    for i in range(3):
+        pub.publish({"w": torch.full((4,), float(i))})
+    assert launch_run._final(store) == 2
+    # A version someone else signed (the workers' credentials) is not the run's.
+    other = Signer(Ed25519PrivateKey.generate(), signer.run_id)
+    key = keys.meta_key(3)
+    store.put(key, other.seal(key, pub.meta.to_dict() | {"version": 3}))
+    assert launch_run._final(store) == 2
 
 
 def test_max_minutes_in_the_run_toml_and_as_a_flag(tmp_path):

@@ -8,15 +8,22 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from colonnade.protocol import SchemaError, keys
 from colonnade.protocol.documents import (
+    Claim,
     ConsumedLedger,
     Done,
     Quarantine,
     QuarantineDecision,
     TrainerHeartbeat,
+    open_claim,
     read_document,
+    read_signed,
+    seal_claim,
+    sealed,
+    write_signed,
 )
 from colonnade.protocol.metrics import (
     TRAINER_FIELDS,
@@ -28,12 +35,17 @@ from colonnade.protocol.metrics import (
 )
 from colonnade.protocol.presence import worker_heartbeats
 from colonnade.protocol.schemas import dumps
+from colonnade.protocol.signing import SignatureRejected, Signer
 from colonnade.store import LocalStore, ObjectTooLarge
 from heartbeats import worker_heartbeat
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "colonnade"
 DIGEST = "ab" * 32
 ROLLOUT = keys.rollout_key(3, "w1", 0)
+
+
+def _signer(run_id="r1"):
+    return Signer(Ed25519PrivateKey.generate(), run_id)
 
 
 def _documents():
@@ -47,6 +59,7 @@ def _documents():
         ConsumedLedger([ROLLOUT], [keys.rollout_key(2, "w2", 5)], [DIGEST]),
         ConsumedLedger([], [], []),
         Done(20, 1e9),
+        Claim("w1", 1e9),
     ]
 
 
@@ -88,6 +101,8 @@ def test_documents_refuse_an_unknown_or_missing_field(doc):
         (TrainerHeartbeat, asdict(TrainerHeartbeat("i", "h", 1.0, 2)),
          [("instance", ""), ("version", "2"), ("time", -1.0)]),
         (Done, asdict(Done(3, 1.0)), [("version", None), ("version", 1.5), ("time", True)]),
+        (Claim, asdict(Claim("w1", 1.0)), [("worker", "claims"), ("worker", "a/b"),
+                                           ("time", -1.0), ("time", None)]),
         (ConsumedLedger, asdict(ConsumedLedger([ROLLOUT], [], [DIGEST])),
          [("keys", ["rollouts/x"]), ("keys", ROLLOUT), ("rejected", [ROLLOUT + "\n"]),
           ("digests", ["AB" * 32]), ("digests", [DIGEST[:-1]]), ("digests", None)]),
@@ -126,15 +141,78 @@ def test_documents_are_size_and_depth_bounded(tmp_path):
 def test_a_ledger_of_an_earlier_release_reads():
     old = json.dumps({"keys": [ROLLOUT], "digests": [DIGEST]}).encode()  # no "rejected"
     assert ConsumedLedger.from_json(old) == ConsumedLedger([ROLLOUT], [], [DIGEST])
+    # but not with protocol 6's rollout keys, at the run's root
+    p6 = json.dumps({"keys": ["rollouts/00000003/w1/000000.safetensors.zst"], "digests": []})
+    with pytest.raises(SchemaError, match="rollout keys"):
+        ConsumedLedger.from_json(p6.encode())
+
+
+def test_the_trainers_documents_are_signed_for_their_key_and_run(tmp_path):
+    store, signer = LocalStore(tmp_path), _signer()
+    trust = signer.trust
+    done = Done(20, 1e9)
+    write_signed(store, keys.DONE, done, signer)
+    assert read_signed(store, keys.DONE, Done, trust) == done
+    assert read_signed(store, keys.QUARANTINE, Quarantine, trust) is None  # absent
+
+    def reason(data, key=keys.DONE, trust=trust):
+        store.put(key, data)
+        with pytest.raises(SignatureRejected) as e:
+            read_signed(store, key, Done, trust)
+        return e.value.reason
+
+    assert reason(sealed(_signer(), keys.DONE, done)) == "bad_signature"  # another key
+    # the trainer's own document, from another run or copied under another key
+    assert reason(sealed(Signer(signer.private, "r2"), keys.DONE, done)) == "bad_signature"
+    assert reason(sealed(signer, keys.HEARTBEAT, done)) == "bad_signature"
+    env = json.loads(sealed(signer, keys.DONE, done))
+    assert reason(dumps({**env, "signature": ""})) == "unsigned"
+    env["doc"]["version"] = 21  # changed after signing
+    assert reason(dumps(env)) == "bad_signature"
+    store.put(keys.DONE, done.to_json())  # a plain document, as protocol 6 wrote it
+    with pytest.raises(SchemaError):
+        read_signed(store, keys.DONE, Done, trust)
+    write_signed(store, keys.DONE, TrainerHeartbeat("i", "h", 1.0, 2), signer)
+    with pytest.raises(SchemaError, match="fields differ"):  # signed, but not a Done
+        read_signed(store, keys.DONE, Done, trust)
+    store.put(keys.DONE, sealed(signer, keys.DONE, done) + b" " * (Done.MAX_BYTES + 4096))
+    with pytest.raises(ObjectTooLarge):  # bounded before it is parsed
+        read_signed(store, keys.DONE, Done, trust)
+
+
+def test_claims_are_signed_by_the_worker_they_name():
+    w1, w2 = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    ring = {"w1": w1.public_key(), "w2": w2.public_key()}
+    key = keys.claim_key(3, 0)
+    claim = Claim("w1", 1e9)
+    data = seal_claim(w1, "r1", key, claim)
+    assert open_claim(data, key, "r1", ring) == claim
+    assert open_claim(data, key, "r1", None) == claim  # a run that does not sign
+
+    def reason(data, key=key, run="r1", ring=ring):
+        with pytest.raises(SignatureRejected) as e:
+            open_claim(data, key, run, ring)
+        return e.value.reason
+
+    assert reason(seal_claim(w2, "r1", key, claim)) == "bad_signature"  # w2 claiming as w1
+    assert reason(data, keys.claim_key(3, 1)) == "bad_signature"  # copied to another slot
+    assert reason(data, run="r2") == "bad_signature"  # of another run
+    assert reason(seal_claim(None, "r1", key, claim)) == "unsigned"
+    assert reason(seal_claim(w1, "r1", key, Claim("w9", 1.0))) == "unknown_key"
+    # unsigned claims of an open run still name a worker
+    assert open_claim(seal_claim(None, "r1", key, claim), key, "r1", None) == claim
+    with pytest.raises(SchemaError):
+        open_claim(claim.to_json(), key, "r1", None)  # protocol 6's plain claim
 
 
 def test_worker_heartbeats_skip_what_does_not_read(tmp_path):
-    store = LocalStore(tmp_path)
-    store.put(keys.worker_key("w1"), worker_heartbeat("w1", version=3).to_json())
-    store.put(keys.worker_key("w2"), worker_heartbeat("w1").to_json())  # names another worker
-    store.put(keys.worker_key("w3"), b'{"worker": "w3"}')
-    store.put(keys.WORKERS + "notes.txt", b"x")
-    hb = worker_heartbeats(store)
+    inbox = LocalStore(tmp_path)
+    inbox.put(keys.heartbeat_key("w1"), worker_heartbeat("w1", version=3).to_json())
+    inbox.put(keys.heartbeat_key("w2"), worker_heartbeat("w1").to_json())  # names another worker
+    inbox.put(keys.heartbeat_key("w3"), b'{"worker": "w3"}')
+    inbox.put("w4/notes.txt", b"x")
+    inbox.put("claims/heartbeat.json", worker_heartbeat("w5").to_json())  # no worker's folder
+    hb = worker_heartbeats(inbox)
     assert list(hb) == ["w1"] and hb["w1"].version == 3
 
 
@@ -142,30 +220,58 @@ def test_worker_heartbeats_skip_what_does_not_read(tmp_path):
 
 
 def test_every_key_parses_back():
+    # the run's store
     assert keys.parse_consumed_key(keys.consumed_key(7, "0a1b2c3d")) == (7, "0a1b2c3d")
-    assert keys.parse_consumed_key("trainer/consumed/00000007.json") == (7, "")  # earlier
-    for bad in ("trainer/consumed/7-a.json", "trainer/consumed/00000007-a-b.json",
-                "trainer/consumed/00000007-a.json\n", None):  # fmt: skip
+    # a ledger without an instance (protocol 6 and before) is no ledger of this protocol
+    for bad in ("trainer/consumed/00000007.json", "trainer/consumed/7-a.json",
+                "trainer/consumed/00000007-a-b.json", "trainer/consumed/00000007-a.json\n",
+                None):  # fmt: skip
         assert keys.parse_consumed_key(bad) is None
     for bad in ("", "a-b", "x" * 65, "a/b"):
         with pytest.raises(ValueError):
             keys.consumed_key(1, bad)
-    assert keys.parse_worker_key(keys.worker_key("w-1.a")) == "w-1.a"
-    assert keys.parse_worker_key("workers/a/b.json") is None
     assert keys.parse_meta_key(keys.meta_key(12)) == 12
     assert keys.parse_meta_key(keys.full_key(12)) is None
-    assert keys.parse_version_dir(keys.full_key(5)) == ("weights", 5)
-    assert keys.parse_version_dir(keys.rollouts_dir(5) + "junk/x") == ("rollouts", 5)
-    assert keys.parse_version_dir(keys.LATEST) is None
+    for key in (keys.full_key(5), keys.patch_key(5), keys.meta_key(5), "weights/00000005/junk/x"):
+        assert keys.parse_weights_key(key) == 5
+    for bad in (keys.LATEST, "weights/5/meta.json", "weights/00000005/", None):
+        assert keys.parse_weights_key(bad) is None
     assert keys.parse_checkpoint_key(keys.checkpoint_state_key(4)) == (4, keys.CHECKPOINT_STATE)
-    assert keys.parse_metrics_key(keys.metrics_key("worker", "w-1", 3)) == ("worker", "w-1", 3)
-    assert keys.parse_metrics_key("metrics/trainer-main.jsonl") == ("trainer", "main", -1)
-    assert keys.metrics_dir("trainer", "main") == "metrics/trainer-main/"
+    assert keys.trainer_segment_key(3) == "metrics/trainer-main/000003.jsonl"
+    assert keys.parse_trainer_segment(keys.trainer_segment_key(3)) == 3
+    for bad in ("metrics/trainer-main.jsonl", "metrics/worker-w1/000003.jsonl",
+                "metrics/trainer-main/000003.jsonl\n"):  # fmt: skip
+        assert keys.parse_trainer_segment(bad) is None
+    assert keys.model_file("config.json") == keys.MODEL + "config.json"
+    # the inbox: the shared claims, and each worker's folder
+    assert keys.claim_key(7, 12) == "claims/00000007/000012.json"
+    assert keys.parse_claim_key(keys.claim_key(7, 12)) == (7, 12)
+    for bad in (-1, keys.MAX_SLOT + 1):
+        with pytest.raises(ValueError):
+            keys.claim_key(7, bad)
     with pytest.raises(ValueError):
-        keys.metrics_dir("Trainer", "main")
+        keys.rollout_key(7, "w1", keys.MAX_SEQ + 1)
+    assert keys.heartbeat_key("w-1.a") == "w-1.a/heartbeat.json"
+    assert keys.parse_heartbeat_key(keys.heartbeat_key("w-1.a")) == "w-1.a"
+    for bad in ("a/b/heartbeat.json", "claims/heartbeat.json", "workers/w1.json"):
+        assert keys.parse_heartbeat_key(bad) is None
+    assert keys.worker_segment_key("w-1", 3) == "w-1/metrics/000003.jsonl"
+    assert keys.parse_worker_segment(keys.worker_segment_key("w-1", 3)) == ("w-1", 3)
+    for bad in ("metrics/worker-w-1/000003.jsonl", "claims/metrics/000003.jsonl"):
+        assert keys.parse_worker_segment(bad) is None
+    # whose each inbox key is: "" for a shared claim, None for no key of ours
+    assert keys.inbox_owner(keys.claim_key(1, 0)) == ""
+    assert keys.inbox_owner(keys.rollout_key(1, "w1", 0)) == "w1"
+    assert keys.inbox_owner(keys.heartbeat_key("w2")) == "w2"
+    assert keys.inbox_owner(keys.worker_segment_key("w3", 0)) == "w3"
+    for junk in ("w1/notes.txt", "claims/00000001/0.json", "w1/rollouts/1/0.safetensors.zst",
+                 "../w1/heartbeat.json", keys.RUN, ""):  # fmt: skip
+        assert keys.inbox_owner(junk) is None, junk
 
 
-KEY_PREFIXES = ("trainer/", "workers/", "metrics/", "rollouts/", "weights/", "report/", "model/")
+# Run store keys, inbox folders, and protocol 6's keys (not to be spelled either).
+KEY_PREFIXES = ("trainer/", "workers/", "metrics/", "rollouts/", "weights/", "report/", "model/",
+                "inbox/", "claims/")  # fmt: skip
 
 
 def test_no_key_is_spelled_outside_keys_py():
@@ -290,7 +396,7 @@ def test_row_readers_read_no_row_by_string_key(module):
                              "version"}))  # fmt: skip
 
 
-def test_row_readers_read_only_declared_fields(tmp_path):
+def test_row_readers_read_only_declared_fields(tmp_path, signed_run):
     """Every reader runs over typed rows: reading a field no row declares
     would raise AttributeError here."""
     from rich.console import Console
@@ -302,16 +408,19 @@ def test_row_readers_read_only_declared_fields(tmp_path):
     from colonnade.telemetry.exporter import FIELDS
 
     store = LocalStore(tmp_path)
-    t = Telemetry(store, "trainer", "main", 0)
+    signer = signed_run(store)
+    inbox = store.sub(keys.INBOX)
+    t = Telemetry.for_trainer(store, signer, 0)
     rows = [_trainer_row(version=v, time=1e9 + v) for v in (1, 2, 3)]
     for r in rows:
         t.write(r)
-    w = Telemetry(store, "worker", "w1", 0)
+    w = Telemetry.for_worker(inbox, "w1", 0)
     w.write(WorkerRow(time=1e9, version=1, episodes=16, tokens=300, seconds=2.0, sync_bytes=9))
-    store.put(keys.worker_key("w1"), worker_heartbeat("w1", time=time.time()).to_json())
-    store.put(keys.consumed_key(1, "abc"), ConsumedLedger([ROLLOUT], [], [DIGEST]).to_json())
+    inbox.put(keys.heartbeat_key("w1"), worker_heartbeat("w1", time=time.time()).to_json())
+    write_signed(store, keys.consumed_key(1, "abc"), ConsumedLedger([ROLLOUT], [], [DIGEST]),
+                 signer)  # fmt: skip
     decision = QuarantineDecision("mismatch", 2, 1.0)
-    store.put(keys.QUARANTINE, Quarantine({"liar": decision}).to_json())
+    write_signed(store, keys.QUARANTINE, Quarantine({"liar": decision}), signer)
     store.put(keys.LAUNCH, b'{"started": 999999999.0, "status": "finished"}')
     report = build_report(store)
     assert report["rollouts_consumed"] == 12 and report["rejected_by_reason"] == {"schema": 1}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from batch_forge import compress, forge, raw_bytes, split
 from colonnade import pulse
@@ -25,21 +26,33 @@ from colonnade.protocol import (
     latest_version,
     read_meta,
 )
+from colonnade.protocol.inbox import list_inbox
 from colonnade.protocol.schemas import Latest, batch_bytes_bound, content_digest, pack_batch
+from colonnade.protocol.signing import SignatureRejected, Signer, public_hex, read_run_envelope
 from colonnade.protocol.weights import read_latest
 from colonnade.store import LocalStore
 
 
+def _signer(run_id="r1"):
+    return Signer(Ed25519PrivateKey.generate(), run_id)
+
+
 def test_keys_round_trip_and_reject_bad_worker_ids():
     k = keys.rollout_key(12, "laptop-1", 7)
-    assert k == "rollouts/00000012/laptop-1/000007.safetensors.zst"
+    assert k == "laptop-1/rollouts/00000012/000007.safetensors.zst"  # in the inbox, worker first
     assert keys.parse_rollout_key(k) == (12, "laptop-1", 7)
-    assert keys.parse_rollout_key("rollouts/00000012/laptop-1/000007.pkl") is None
+    assert keys.parse_rollout_key("laptop-1/rollouts/00000012/000007.pkl") is None
     # protocol 2's JSON batches are not rollouts of this protocol
-    assert keys.parse_rollout_key("rollouts/00000012/laptop-1/000007.json.zst") is None
-    for bad in ("", "../x", "a/b", "-x", "x" * 65):
+    assert keys.parse_rollout_key("laptop-1/rollouts/00000012/000007.json.zst") is None
+    # nor is protocol 6's layout, at the run's root
+    assert keys.parse_rollout_key("rollouts/00000012/laptop-1/000007.safetensors.zst") is None
+    for bad in ("", "../x", "a/b", "-x", "x" * 65, "claims"):  # claims: the shared folder
         with pytest.raises(ValueError):
-            keys.worker_key(bad)
+            keys.heartbeat_key(bad)
+        with pytest.raises(ValueError):
+            keys.rollout_key(0, bad, 0)
+    # a batch under the claims folder is no worker's
+    assert keys.parse_rollout_key("claims/rollouts/00000012/000007.safetensors.zst") is None
 
 
 def _ep(tokens=(5, 6, 7, 8), mask=(1, 1, 0, 1), lps=(-0.5, -1.0, 0.0, -0.25), finish="done"):
@@ -78,7 +91,7 @@ def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
         "lengths": ("<i4", (2,)),
     }
     _, fields, _ = split(_batch())
-    assert fields == {"protocol": 6, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
+    assert fields == {"protocol": 7, "worker": "w1", "version": 3, "seq": 0, "engine": "torch",
                       "stats": {"reward": 0.5},
                       "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
 
@@ -269,11 +282,11 @@ def test_headers_that_lie_about_their_size_or_nest_are_rejected():
 def test_a_json_batch_of_protocol_2_is_refused_naming_both_versions():
     doc = {"engine": "torch", "groups": [], "seq": 0, "stats": {}, "version": 0, "worker": "w1"}
     old = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 6"):
+    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 7"):
         decode_batch(old, 100, 16)
     _, fields, tensors = split(_batch())
-    for theirs in (2, 3, 4, 5, 7, "6", 6.0, True):  # 5: a worker of the release before
-        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 6"):
+    for theirs in (2, 3, 4, 5, 6, 8, "7", 7.0, True):  # 6: a worker of the release before
+        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 7"):
             decode_batch(forge({**fields, "protocol": theirs}, tensors), 100, 16)
 
 
@@ -320,25 +333,87 @@ def test_the_bound_holds_a_full_honest_batch_and_refuses_one_more_byte():
     assert len(pack_batch(many)) <= batch_bytes_bound(n, tokens, 1)
 
 
+HASH = "blake3:" + "ab" * 32
+
+
+def _spec(signer=None, **kw):
+    key = public_hex((signer or _signer()).public)
+    return RunSpec("r1", "smoke", {"n_tasks": 10}, {"config.json": HASH}, 2048, "int8", 4, 2, 1,
+                   10, {}, key, **kw)  # fmt: skip
+
+
 def test_run_spec_round_trip_and_validation():
-    spec = RunSpec("r", "smoke", {"n_tasks": 10}, ["config.json"], 2048, "int8", 4, 2, 1, 10, {})
+    spec = _spec()
     assert RunSpec.from_json(spec.to_json()) == spec
     with pytest.raises(SchemaError, match="precision"):
         RunSpec.from_json(spec.to_json().replace(b'"int8"', b'"fp4"'))
-    # 1: the SHA-256 protocol, 2: JSON batches, of earlier releases
-    for old in (b'"protocol":1', b'"protocol":5', b'"protocol":9', b'"protocol":6.0'):
-        with pytest.raises(ProtocolMismatch, match=r"protocol [\d.]+; this colonnade speaks 6"):
-            RunSpec.from_json(spec.to_json().replace(b'"protocol":6', old))
+    for bad in ({"model_files": ["config.json"]}, {"model_files": {"config.json": "ab" * 32}},
+                {"model_files": {"a/b": HASH}}, {"trainer_key": "ab"}, {"inbox": 5},
+                {"inbox_endpoint_url": 5}):  # fmt: skip
+        with pytest.raises(SchemaError):
+            RunSpec.from_dict({**spec.to_dict(), **bad})
+    with_inbox = _spec(inbox="s3://inbox/run", inbox_endpoint_url="http://127.0.0.1:9")
+    assert RunSpec.from_json(with_inbox.to_json()) == with_inbox
+    # The protocol travels in the signed envelope: a run.json of another release
+    # (1: the SHA-256 protocol, 6: unsigned, ...) is refused naming both.
+    signer = _signer()
+    sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
+    doc, trust = read_run_envelope(sealed, None)
+    assert RunSpec.from_dict(doc) == _spec(signer) and trust.fingerprint == signer.trust.fingerprint
+    for old in (b'"protocol":1', b'"protocol":6', b'"protocol":9', b'"protocol":"7"'):
+        with pytest.raises(ProtocolMismatch, match=r"protocol \S+; this colonnade speaks 7"):
+            read_run_envelope(sealed.replace(b'"protocol":7', old), None)
+    with pytest.raises(ProtocolMismatch, match="protocol 6; this colonnade speaks 7"):
+        read_run_envelope(json.dumps({**_spec().to_dict(), "protocol": 6}).encode(), None)
 
 
-def test_run_spec_without_groups_per_step_is_read_as_unpaced():
-    spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {}, groups_per_step=8)
+def test_a_run_json_of_protocol_7_point_0_is_refused():
+    # The protocol is an integer, as in a batch (7.0 and true are refused there).
+    signer = _signer()
+    sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
+    with pytest.raises(ProtocolMismatch, match=r"protocol 7\.0; this colonnade speaks 7"):
+        read_run_envelope(sealed.replace(b'"protocol":7', b'"protocol":7.0'), None)
+
+
+def test_run_spec_names_every_field_and_groups_per_step_round_trips():
+    spec = _spec(groups_per_step=8)
     assert RunSpec.from_json(spec.to_json()).groups_per_step == 8
     earlier = json.loads(spec.to_json())
-    del earlier["groups_per_step"]  # run.json of a release before pacing
-    assert RunSpec.from_json(json.dumps(earlier).encode()).groups_per_step == 0
+    del earlier["groups_per_step"]  # run.json without a field: no defaults for a signed run
+    with pytest.raises(SchemaError, match="fields differ"):
+        RunSpec.from_json(json.dumps(earlier).encode())
+    with pytest.raises(SchemaError, match="fields differ"):
+        RunSpec.from_json(json.dumps({**spec.to_dict(), "extra": 1}).encode())
     with pytest.raises(SchemaError, match="groups_per_step"):
-        RunSpec.from_json(json.dumps({**earlier, "groups_per_step": -1}).encode())
+        RunSpec.from_json(json.dumps({**spec.to_dict(), "groups_per_step": -1}).encode())
+
+
+def test_run_json_verifies_against_the_key_it_names_and_the_pinned_one():
+    signer = _signer()
+    sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
+    assert read_run_envelope(sealed, signer.trust.fingerprint)[1] == signer.trust
+    with pytest.raises(SignatureRejected) as e:  # signed by another key than the pinned one
+        read_run_envelope(sealed, _signer().trust.fingerprint)
+    assert e.value.reason == "wrong_key"
+    # A stranger's run.json naming the trainer's key does not verify.
+    forged = _signer().seal(keys.RUN, _spec(signer).to_dict())
+    with pytest.raises(SignatureRejected) as e:
+        read_run_envelope(forged, None)
+    assert e.value.reason == "bad_signature"
+    # Neither does one changed after signing, nor an unsigned one.
+    env = json.loads(sealed)
+    env["doc"]["max_lag"] = 9
+    with pytest.raises(SignatureRejected, match="does not verify"):
+        read_run_envelope(json.dumps(env).encode(), None)
+    env = json.loads(sealed)
+    env["signature"] = ""
+    with pytest.raises(SignatureRejected) as e:
+        read_run_envelope(json.dumps(env).encode(), None)
+    assert e.value.reason == "unsigned"
+    # Nor one signed for another key (copied from elsewhere in the store).
+    moved = signer.seal(keys.LATEST, _spec(signer).to_dict())
+    with pytest.raises(SignatureRejected, match="signed for"):
+        read_run_envelope(moved, None)
 
 
 def _states(n, seed=0):
@@ -354,8 +429,9 @@ def _states(n, seed=0):
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store, precision, anchor_every=3)
+    store, signer = LocalStore(tmp_path), _signer()
+    trust = signer.trust
+    pub = Publisher(store, signer, precision, anchor_every=3)
     states = _states(8)
     metas = [pub.publish(s).meta for s in states]
     assert [m.kind for m in metas] == [
@@ -369,16 +445,16 @@ def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
         "patch",
     ]
     assert [m.anchor for m in metas] == [0, 0, 0, 3, 3, 3, 6, 6]
-    assert latest_version(store) == 7
+    assert latest_version(store, trust) == 7
     for v, s in enumerate(states):
-        f = Follower(store, anchor_every=3)
+        f = Follower(store, 3, trust)
         assert f.sync(v)
         assert f.version == v
         assert pulse.state_hash(f.state) == metas[v].state_hash
         assert pulse.state_hash(pulse.prepare(s, precision)) == metas[v].state_hash
     assert [m.patch_bytes > 0 for m in metas] == [False] + [True] * 7  # anchors have one too
     # One follower walking forward reads patches only, across anchors too.
-    f = Follower(store, anchor_every=3)
+    f = Follower(store, 3, trust)
     f.sync(0)
     start = f.bytes_read
     for v in range(1, 8):
@@ -387,19 +463,20 @@ def test_every_version_rebuilds_to_its_hash(tmp_path, precision):
     assert f.anchors_read == 1 and f.version == 7  # v0's, when it joined
     assert not f.sync(7)
     # A joiner reads the newest anchor and the patches after it.
-    j = Follower(store, anchor_every=3)
+    j = Follower(store, 3, trust)
     j.sync(7)
     assert j.anchors_read == 1 and j.bytes_read == metas[6].anchor_bytes + metas[7].patch_bytes
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_a_follower_patches_in_place_without_a_second_state(tmp_path, precision):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store, precision, anchor_every=10)
+    store, signer = LocalStore(tmp_path), _signer()
+    pub = Publisher(store, signer, precision, anchor_every=10)
     states = _states(3)
     for s in states:
         pub.publish(s)
-    f, copying = Follower(store, anchor_every=10), Follower(store, 10, in_place=False)
+    f = Follower(store, 10, signer.trust)
+    copying = Follower(store, 10, signer.trust, in_place=False)
     f.sync(0)
     copying.sync(0)
     held = dict(f.state)
@@ -428,10 +505,10 @@ def test_an_int8_linear_keeps_its_own_copy_of_the_codes():
 
 
 def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store, "int8", anchor_every=2)
+    store, signer = LocalStore(tmp_path), _signer()
+    pub = Publisher(store, signer, "int8", anchor_every=2)
     metas = [pub.publish(s).meta for s in _states(4)]
-    f = Follower(store, anchor_every=2)
+    f = Follower(store, 2, signer.trust)
     f.sync(2)
     # v3's patch is replaced by garbage of the same size: its hash fails, so
     # the follower cannot reach v3, and never holds a wrong state.
@@ -442,63 +519,91 @@ def test_follower_recovers_from_a_corrupt_patch_via_the_anchor(tmp_path):
 
 
 def test_latest_carries_the_trainers_seconds_per_version(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store, "bf16", anchor_every=10)
+    store, signer = LocalStore(tmp_path), _signer()
+    trust = signer.trust
+    pub = Publisher(store, signer, "bf16", anchor_every=10)
     states = _states(3)
     pub.publish(states[0])
-    assert read_latest(store).version_seconds is None  # one version: no interval yet
+    assert read_latest(store, trust).version_seconds is None  # one version: no interval yet
     pub.publish(states[1])
-    first = read_meta(store, 1).created - read_meta(store, 0).created
-    assert read_latest(store).version_seconds == pytest.approx(first, abs=1e-3)
+    first = read_meta(store, 1, trust).created - read_meta(store, 0, trust).created
+    assert read_latest(store, trust).version_seconds == pytest.approx(first, abs=1e-3)
     pub.publish(states[2])
-    second = read_meta(store, 2).created - read_meta(store, 1).created
-    assert read_latest(store).version_seconds == pytest.approx(0.8 * first + 0.2 * second, abs=2e-3)
+    second = read_meta(store, 2, trust).created - read_meta(store, 1, trust).created
+    got = read_latest(store, trust).version_seconds
+    assert got == pytest.approx(0.8 * first + 0.2 * second, abs=2e-3)
 
 
 def test_a_resumed_publisher_does_not_count_its_downtime(tmp_path):
-    store = LocalStore(tmp_path)
+    store, signer = LocalStore(tmp_path), _signer()
+    trust = signer.trust
     states = _states(3)
-    first = Publisher(store, "bf16", anchor_every=10)
+    first = Publisher(store, signer, "bf16", anchor_every=10)
     first.publish(states[0])
-    again = Publisher(store, "bf16", anchor_every=10)  # a trainer resumed after an outage
-    again.adopt(0, pulse.prepare(states[0], "bf16"), read_meta(store, 0).state_hash)
+    again = Publisher(store, signer, "bf16", anchor_every=10)  # a trainer resumed after an outage
+    again.adopt(0, pulse.prepare(states[0], "bf16"), read_meta(store, 0, trust).state_hash)
     again.point()
     again.publish(states[1])
-    assert read_latest(store).version_seconds is None  # v0 -> v1 spans the downtime
+    assert read_latest(store, trust).version_seconds is None  # v0 -> v1 spans the downtime
     again.publish(states[2])
-    assert read_latest(store).version_seconds is not None
-    doc = json.loads(store.get(keys.LATEST))
+    assert read_latest(store, trust).version_seconds is not None
+    doc = trust.open(keys.LATEST, store.get(keys.LATEST))
+    assert Latest.from_dict(doc) == read_latest(store, trust)
     for bad in (-1.0, 1e9, "60"):
         with pytest.raises(SchemaError, match="version_seconds"):
             Latest.from_json(json.dumps({**doc, "version_seconds": bad}).encode())
 
 
 def test_a_second_publisher_cannot_overwrite_a_version(tmp_path):
-    store = LocalStore(tmp_path)
-    Publisher(store, "bf16", 10).publish(_states(1)[0])
+    store, signer = LocalStore(tmp_path), _signer()
+    Publisher(store, signer, "bf16", 10).publish(_states(1)[0])
     with pytest.raises(VersionError, match="already published"):
-        Publisher(store, "bf16", 10).publish(_states(1, seed=1)[0])
-    assert read_meta(store, 0).kind == "full"
-    assert read_meta(store, 1) is None
+        Publisher(store, signer, "bf16", 10).publish(_states(1, seed=1)[0])
+    assert read_meta(store, 0, signer.trust).kind == "full"
+    assert read_meta(store, 1, signer.trust) is None
+
+
+def test_a_meta_json_the_trainer_did_not_sign_is_overwritten_and_never_followed(tmp_path):
+    store, signer = LocalStore(tmp_path), _signer()
+    trust = signer.trust
+    states = _states(2)
+    pub = Publisher(store, signer, "bf16", 10)
+    pub.publish(states[0])
+    # Someone with the workers' credentials squats v1's meta.json first.
+    squat = _signer().seal(keys.meta_key(1), read_meta(store, 0, trust).to_dict())
+    store.put(keys.meta_key(1), squat)
+    with pytest.raises(SchemaError):
+        read_meta(store, 1, trust)
+    assert latest_version(store, trust) == 0  # what the trainer did not sign is no version
+    with pytest.raises(VersionError, match="does not verify"):
+        Follower(store, 10, trust).sync(1)
+    assert pub.publish(states[1]).meta.version == 1  # the trainer's own replaces it
+    assert read_meta(store, 1, trust).kind == "patch" and latest_version(store, trust) == 1
+    # A latest.json the trainer did not sign reads as an error, not as a pointer.
+    store.put(keys.LATEST, _signer().seal(keys.LATEST, json.loads(store.get(keys.LATEST))["doc"]))
+    with pytest.raises(SchemaError):
+        read_latest(store, trust)
+    assert latest_version(store, trust) == 1  # found by its signed metas all the same
+    assert pub.guard() and read_latest(store, trust).version == 1  # and the trainer's put back
 
 
 def test_sha256_on_request_and_a_change_of_hash_mid_run(tmp_path):
-    store = LocalStore(tmp_path)
+    store, signer = LocalStore(tmp_path), _signer()
     states = _states(5)
-    pub = Publisher(store, "bf16", anchor_every=10, hash_algo="sha256")
+    pub = Publisher(store, signer, "bf16", anchor_every=10, hash_algo="sha256")
     metas = [pub.publish(s).meta for s in states[:3]]
     assert all(m.state_hash.startswith("sha256:") for m in metas)
     assert all(m.patch_hash.startswith("sha256:") for m in metas[1:])
     assert metas[0].anchor_hash.startswith("sha256:")
     # A resumed trainer set to BLAKE3 goes on from a SHA-256 version.
-    f = Follower(store, anchor_every=10)
+    f = Follower(store, 10, signer.trust)
     f.sync(2)
-    again = Publisher(store, "bf16", anchor_every=10)
+    again = Publisher(store, signer, "bf16", anchor_every=10)
     again.adopt(2, f.state, f.state_hash)
     metas += [again.publish(s).meta for s in states[3:]]
     assert metas[4].state_hash.startswith("blake3:")
     for v in range(5):
-        g = Follower(store, anchor_every=10)
+        g = Follower(store, 10, signer.trust)
         g.sync(v)
         assert pulse.state_hash(g.state, metas[v].state_hash.split(":")[0]) == metas[v].state_hash
     f.sync(4)  # a follower holding a SHA-256 hash applies a BLAKE3 patch
@@ -511,51 +616,55 @@ def test_fresh_workers_come_from_one_listing(tmp_path):
 
     from colonnade.protocol.presence import fresh_workers
 
-    store = LocalStore(tmp_path)
+    inbox = LocalStore(tmp_path)
     for w in ("w1", "w2", "gone"):
-        store.put(keys.worker_key(w), b"{}")
+        inbox.put(keys.heartbeat_key(w), b"{}")
     old = time.time() - 600
-    os.utime(store.root / keys.worker_key("gone"), (old, old))
+    os.utime(inbox.root / keys.heartbeat_key("gone"), (old, old))
     calls = []
-    real = store.get
-    store.get = lambda *a, **k: calls.append(a) or real(*a, **k)
-    assert fresh_workers(store, time.time(), 60) == {"w1", "w2"}
+    real = inbox.get
+    inbox.get = lambda *a, **k: calls.append(a) or real(*a, **k)
+    listing = list_inbox(inbox)
+    assert fresh_workers(listing, time.time(), 60) == {"w1", "w2"}
     assert calls == []  # no heartbeat read one by one
+    # ids a signed run does not register are not in the run
+    assert fresh_workers(list_inbox(inbox, {"w1"}), time.time(), 60) == {"w1"}
 
 
 def test_a_follower_one_behind_reads_the_pointer_and_the_patch_only(tmp_path):
     from colonnade.protocol import read_latest
     from colonnade.store.counting import Counting
 
-    inner = LocalStore(tmp_path)
-    pub = Publisher(inner, "int8", anchor_every=10)
+    inner, signer = LocalStore(tmp_path), _signer()
+    pub = Publisher(inner, signer, "int8", anchor_every=10)
     states = _states(3)
     pub.publish(states[0])
     pub.publish(states[1])
     store = Counting(inner)
-    f = Follower(store, anchor_every=10)
+    f = Follower(store, 10, signer.trust)
     f.sync(1)
     pub.publish(states[2])
     store.counts.clear()
-    latest = read_latest(store)
+    latest = read_latest(store, signer.trust)
     assert latest.version == 2 and not latest.done
     assert f.sync(latest.version, known=latest.meta)
     assert dict(store.counts) == {"get": 2}  # latest.json, then patch.pulse
     assert f.state_hash == latest.meta.state_hash
     pub.quarantined = 1
     pub.point(done=True)
-    again = read_latest(inner)
+    again = read_latest(inner, signer.trust)
     assert again.done and again.quarantined == 1 and again.meta == latest.meta
 
 
 def test_a_worker_refuses_a_run_of_another_protocol_in_one_line(tmp_path, capsys):
     from colonnade.cli.main import main
 
-    spec = RunSpec("r", "smoke", {}, [], 2048, "int8", 4, 2, 1, 10, {})
+    signer = _signer()
     store = LocalStore(tmp_path)
     # A run of the release before: refused, naming both.
-    store.put(keys.RUN, spec.to_json().replace(b'"protocol":6', b'"protocol":5'))
+    sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
+    store.put(keys.RUN, sealed.replace(b'"protocol":7', b'"protocol":6'))
     assert main(["worker", "--store", str(tmp_path), "--id", "w1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert "run.json speaks protocol 5; this colonnade speaks 6" in err
+    assert "run.json speaks protocol 6; this colonnade speaks 7" in err

@@ -75,30 +75,31 @@ def test_eval_on_an_unsupported_architecture_exits_2_in_one_line(tmp_path, monke
     assert code == 2 and len(err) == 1 and "'gpt2'" in err[0] and "torch" in err[0]
 
 
-def _run_without_weights(store_dir, tiny_dir):
-    """run.json and the model's files, no version published yet."""
+def _run_without_weights(store_dir, tiny_dir, signed_run):
+    """A signed run.json and the model's files, no version published yet."""
     from pathlib import Path
 
-    from colonnade.protocol import RunSpec, keys
+    from colonnade.protocol import keys
     from colonnade.protocol.model_files import model_files
+    from colonnade.pulse.hashing import digest_bytes
     from colonnade.store import LocalStore
 
     store = LocalStore(store_dir)
     files = model_files(Path(tiny_dir))
     for name, data in files.items():
         store.put(keys.model_file(name), data)
-    spec = RunSpec("r", "smoke", {}, sorted(files), 2048, "int8", 4, 2, 1, 10, {})
-    store.put(keys.RUN, spec.to_json())
+    hashes = {name: digest_bytes(data, "blake3") for name, data in files.items()}
+    signed_run(store, "r", model_files=hashes)
     return store
 
 
 def test_a_worker_refuses_the_architecture_before_any_weights(
-    monkeypatch, tmp_path, tiny_dir, capsys
+    monkeypatch, tmp_path, tiny_dir, capsys, signed_run
 ):
     from colonnade.config import WorkerConfig
     from colonnade.rollout.worker import Worker
 
-    store = _run_without_weights(tmp_path, tiny_dir)
+    store = _run_without_weights(tmp_path, tiny_dir, signed_run)
     monkeypatch.setattr(loader, "mlx_missing", lambda: None)
     monkeypatch.setattr(loader, "ARCHITECTURES", {})  # MLX runs no llama here
     w = Worker(WorkerConfig(store=str(tmp_path), id="w1", engine="mlx"), store)

@@ -5,32 +5,79 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import colonnade.rollout.worker as worker_module
 from colonnade.config import WorkerConfig
-from colonnade.protocol import RunSpec, keys
-from colonnade.protocol.documents import Claim, Quarantine, QuarantineDecision
+from colonnade.protocol import keys
+from colonnade.protocol.documents import (
+    Claim,
+    Quarantine,
+    QuarantineDecision,
+    open_claim,
+    seal_claim,
+    sealed,
+)
 from colonnade.protocol.polling import idle_delay, moving_gap, poll_interval
-from colonnade.protocol.schemas import Demand, Latest, VersionMeta, dumps
+from colonnade.protocol.reader import open_run
+from colonnade.protocol.schemas import Demand, Latest, VersionMeta
+from colonnade.protocol.signing import Signer
 from colonnade.rollout.worker import CLAIM_TRIES, Quarantined, Worker
 from colonnade.store import LocalStore
 from colonnade.store.counting import Counting
 
+RUN = "r"
+SIGNERS: dict[str, Signer] = {}  # store url -> the trainer's signer of the run there
 
-def _worker(tmp_path, running=3):
-    store = LocalStore(tmp_path / "run")
+
+@pytest.fixture
+def run(signed_run):
+    """make(path) -> the run store of a signed run (v3 running) under `path`."""
+
+    def make(path):
+        store = LocalStore(path)
+        SIGNERS[store.url] = signed_run(store, RUN, vocab_size=10, max_lag=2, groups_per_step=4)
+        return store
+
+    yield make
+    SIGNERS.clear()
+
+
+def _worker(run, path, running=3):
+    """A worker that joined the run under `path` (run.json read, its key
+    pinned) and runs version `running`; (worker, run store, inbox)."""
+    store = run(path / "run")
     w = Worker(WorkerConfig(id="w1", poll_seconds=0.1), store)
-    w.spec = RunSpec("r", "smoke", {}, [], 10, "int8", 4, 2, 2, 10, {}, groups_per_step=4)
+    view = open_run(store)
+    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
     w.follower = SimpleNamespace(version=running)
-    return w, store
+    return w, store, w.inbox
+
+
+def _seal(store, key, doc) -> bytes:
+    return sealed(SIGNERS[store.url], key, doc)
 
 
 def _publish(store, v, slots=0, demand_version=None):
     h = "blake3:" + "0" * 64
     meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
     demand = Demand(v if demand_version is None else demand_version, slots, max(0, v - 2), 60.0)
-    store.put(keys.meta_key(v), meta.to_json())
-    store.put(keys.LATEST, Latest(v, meta, demand=demand).to_json())
+    store.put(keys.meta_key(v), _seal(store, keys.meta_key(v), meta))
+    store.put(keys.LATEST, _seal(store, keys.LATEST, Latest(v, meta, demand=demand)))
+
+
+def _latest(store) -> Latest:
+    trust = SIGNERS[store.url].trust
+    return Latest.from_dict(trust.open(keys.LATEST, store.get(keys.LATEST)))
+
+
+def _claim(key, worker) -> bytes:
+    """A claim as a worker of an open run writes it (unsigned)."""
+    return seal_claim(None, RUN, key, Claim(worker, 1.0))
+
+
+def _holders(inbox, v) -> list[str]:
+    return [open_claim(inbox.get(k), k, RUN, None).worker for k in inbox.list(keys.claims_dir(v))]
 
 
 class Clock:
@@ -76,17 +123,43 @@ class PublishOnPoll(Counting):
         return super().get(key, max_bytes=max_bytes)
 
 
-def test_a_quarantined_worker_learns_it_and_says_why(tmp_path):
-    w, store = _worker(tmp_path)
+def test_a_quarantined_worker_learns_it_and_says_why(tmp_path, run):
+    w, store, _ = _worker(run, tmp_path)
     assert w.read_quarantine() == set()  # no decisions yet
     store.put(keys.QUARANTINE, b"not json")
     assert w.read_quarantine() == set()
-    store.put(keys.QUARANTINE, dumps({"w1": {"reason": "mismatch KL", "version": 4}}))
-    assert w.read_quarantine() == set()  # not a decision (no time): not read
+    not_a_decision = {"w1": {"reason": "mismatch KL", "version": 4}}  # no time
+    store.put(keys.QUARANTINE, SIGNERS[store.url].seal(keys.QUARANTINE, not_a_decision))
+    assert w.read_quarantine() == set()  # signed, but not a decision: not read
     decision = QuarantineDecision("mismatch KL 0.9/token", 4, 1.0)
-    store.put(keys.QUARANTINE, Quarantine({"w1": decision}).to_json())
+    doc = Quarantine({"w1": decision})
+    store.put(keys.QUARANTINE, doc.to_json())  # anyone's: not signed by the trainer
+    assert w.read_quarantine() == set()
+    forger = Signer(Ed25519PrivateKey.generate(), RUN)
+    store.put(keys.QUARANTINE, sealed(forger, keys.QUARANTINE, doc))  # another key
+    assert w.read_quarantine() == set()
+    assert w.pending["unverified"] == 4  # each counted, none acted on
+    store.put(keys.QUARANTINE, _seal(store, keys.QUARANTINE, doc))
     with pytest.raises(Quarantined, match=r"quarantined worker w1 \(mismatch KL 0\.9/token\)"):
         w.read_quarantine()
+
+
+def test_a_latest_json_the_trainer_did_not_sign_is_not_acted_on(tmp_path, run):
+    w, store, _ = _worker(run, tmp_path)
+    _publish(store, 3, slots=2)
+    assert w._poll().version == 3
+    forged = _latest(store)
+    forged = Latest(forged.version, forged.meta, done=True)  # "the run is over"
+    store.put(keys.LATEST, forged.to_json())  # unsigned
+    assert w._poll() is None and not w.done() and w.pending["unverified"] == 1
+    forger = Signer(Ed25519PrivateKey.generate(), RUN)
+    store.put(keys.LATEST, sealed(forger, keys.LATEST, forged))
+    assert w._poll() is None and not w.done() and w.pending["unverified"] == 2
+    # The trainer's own pointer to an older version is no step back either.
+    _publish(store, 4, slots=2)
+    assert w._poll().version == 4
+    _publish(store, 3, slots=2)
+    assert w._poll() is None and w.pointer.version == 4
 
 
 def test_polls_follow_the_time_between_versions():
@@ -99,37 +172,58 @@ def test_polls_follow_the_time_between_versions():
     assert moving_gap(2.0, 1.0) == pytest.approx(1.8)
 
 
-def test_a_worker_claims_a_slot_of_its_version_only(tmp_path):
-    w, store = _worker(tmp_path)
+def test_a_worker_claims_a_slot_of_its_version_only(tmp_path, run):
+    w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=2, demand_version=4)  # slots of a version it does not run
     w._poll()
-    assert not w.claim() and store.list(keys.CLAIMS) == []
+    assert not w.claim() and inbox.list(keys.CLAIMS) == []
     _publish(store, 3, slots=2)
     w._poll()
     assert w.claim() and w.claim()  # one slot per batch
     assert not w.claim()  # both taken: by this worker, as it happens
-    held = [Claim.from_json(store.get(k)) for k in store.list(keys.claims_dir(3))]
-    assert [c.worker for c in held] == ["w1", "w1"] and w.claims == 2
+    assert _holders(inbox, 3) == ["w1", "w1"] and w.claims == 2
+    assert store.list(keys.CLAIMS) == []  # claims go to the inbox, not the run's store
 
 
-def test_a_taken_slot_is_tried_once_and_a_look_costs_a_few_requests(tmp_path):
-    w, store = _worker(tmp_path)
+def test_a_taken_slot_is_never_tried_and_a_look_costs_a_few_requests(tmp_path, run):
+    w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=6)
     for slot in range(5):  # other workers were first to five of the six
-        store.put_if_absent(keys.claim_key(3, slot), Claim("other", 1.0).to_json())
+        inbox.put_if_absent(keys.claim_key(3, slot), _claim(keys.claim_key(3, slot), "other"))
     w._poll()
-    w.store = counting = Counting(store)
-    tries = 0
-    while not w.claim():
-        tries += 1
-    # At most CLAIM_TRIES put-if-absent a look, and never the same slot twice.
-    assert counting.counts["put_if_absent"] <= 6 and tries <= 6 // CLAIM_TRIES
-    assert set(counting.counts) == {"put_if_absent"}
-    assert not w.claim() and counting.counts["put_if_absent"] <= 6  # nothing left to try
+    w.inbox = counting = Counting(inbox)
+    # One listing of the version's claims tells which slots are taken: the
+    # free one is the one tried.
+    assert w.claim()
+    assert counting.counts == {"list": 1, "put_if_absent": 1}
+    assert _holders(inbox, 3) == ["other"] * 5 + ["w1"]
+    # Nothing left: no look at the store at all.
+    assert not w.claim() and counting.counts == {"list": 1, "put_if_absent": 1}
 
 
-def test_an_idle_worker_moves_on_when_a_newer_version_appears(tmp_path, clock):
-    w, store = _worker(tmp_path)
+def test_a_look_tries_a_few_slots_at_most(tmp_path, run, monkeypatch):
+    # Slots that others take between the listing and the try: at most
+    # CLAIM_TRIES put-if-absent a look, and never the same slot twice.
+    w, store, inbox = _worker(run, tmp_path)
+    _publish(store, 3, slots=6)
+    w._poll()
+
+    class Racing(Counting):
+        def put_if_absent(self, key, data):
+            self.inner.put_if_absent(key, _claim(key, "other"))  # someone was first
+            return super().put_if_absent(key, data)
+
+    w.inbox = racing = Racing(inbox)
+    looks = 0
+    while w.free_slots():
+        assert not w.claim()
+        looks += 1
+    assert racing.counts["put_if_absent"] == 6 and looks == 6 // CLAIM_TRIES
+    assert racing.counts["list"] == looks and not w.claim()
+
+
+def test_an_idle_worker_moves_on_when_a_newer_version_appears(tmp_path, clock, run):
+    w, store, _ = _worker(run, tmp_path)
     _publish(store, 3)
     w._poll()
     w.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
@@ -139,18 +233,18 @@ def test_an_idle_worker_moves_on_when_a_newer_version_appears(tmp_path, clock):
     assert w.pending_time["paced_seconds"] == pytest.approx(clock.now)
 
 
-def test_new_slots_the_runs_end_or_a_stop_end_the_wait(tmp_path, clock):
-    w, store = _worker(tmp_path)
+def test_new_slots_the_runs_end_or_a_stop_end_the_wait(tmp_path, clock, run):
+    w, store, _ = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
     w._poll()
     _publish(store, 3, slots=3)  # a claim lapsed: more slots of the same version
     w.wait_for_work()
     assert w.pointer.demand.slots == 3
-    latest = Latest.from_json(store.get(keys.LATEST))
-    store.put(keys.LATEST, Latest(3, latest.meta, done=True).to_json())  # the run's end
+    latest = _latest(store)
+    store.put(keys.LATEST, _seal(store, keys.LATEST, Latest(3, latest.meta, done=True)))  # the end
     w.wait_for_work()
     assert w.done()
-    store.put(keys.LATEST, latest.to_json())
+    store.put(keys.LATEST, _seal(store, keys.LATEST, latest))
     w.stop.requested = True
     w.wait_for_work()  # returns at once
 
@@ -170,9 +264,9 @@ class PublishAt(Counting):
         return super().get(key, max_bytes=max_bytes)
 
 
-def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_path, clock):
+def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_path, clock, run):
     for gap in (0.3, 60.0):
-        w, store = _worker(tmp_path / str(gap))
+        w, store, _ = _worker(run, tmp_path / str(gap))
         _publish(store, 3)
         w._poll()
         w.version_gap, w._synced_at = gap, clock.now  # it has just installed v3
@@ -183,11 +277,12 @@ def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_pa
         assert set(polled.counts) == {"get"}
 
 
-def test_a_joiner_paces_its_first_wait_by_the_trainers_interval(tmp_path, clock):
-    w, store = _worker(tmp_path)
+def test_a_joiner_paces_its_first_wait_by_the_trainers_interval(tmp_path, clock, run):
+    w, store, _ = _worker(run, tmp_path)
     _publish(store, 3)
     meta = replace(w._poll().meta, created=clock.time() - 30.0)  # v3 came 30 s ago
-    store.put(keys.LATEST, Latest(3, meta, demand=w.pointer.demand, version_seconds=60.0).to_json())
+    latest = Latest(3, meta, demand=w.pointer.demand, version_seconds=60.0)
+    store.put(keys.LATEST, _seal(store, keys.LATEST, latest))
     w._poll()
     w._synced_at = clock.now  # it has just installed v3, the first version it saw
     assert w.version_gap is None and w.pace() == 60.0
@@ -235,13 +330,13 @@ class _Outage:
 
 
 @pytest.mark.parametrize("lands", [False, True], ids=["lost", "landed"])
-def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands):
+def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands, run):
     from colonnade.store import StoreError
 
-    w, store = _worker(tmp_path)
+    w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
     w._poll()
-    w.store = _Outage(store, 3, lands)
+    w.inbox = _Outage(inbox, 3, lands)
     for _ in range(3):
         with pytest.raises(StoreError):
             w.claim()
@@ -249,14 +344,13 @@ def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands):
     # the failed puts wrote it or not (no wait for a demand that never changes).
     assert w.claim() and w.claims == 1
     assert not w.claim()  # and only once
-    held = [Claim.from_json(store.get(k)).worker for k in store.list(keys.claims_dir(3))]
-    assert held == ["w1"]
+    assert _holders(inbox, 3) == ["w1"]
 
 
-def test_a_slot_another_worker_holds_is_not_taken_for_ones_own(tmp_path):
-    w, store = _worker(tmp_path)
+def test_a_slot_another_worker_holds_is_not_taken_for_ones_own(tmp_path, run):
+    w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
     w._poll()
-    store.put_if_absent(keys.claim_key(3, 0), Claim("other", 1.0).to_json())
+    inbox.put_if_absent(keys.claim_key(3, 0), _claim(keys.claim_key(3, 0), "other"))
     w.unsure.add(keys.claim_key(3, 0))  # even after a failed put of its own
     assert not w.claim()

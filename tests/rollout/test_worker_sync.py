@@ -3,10 +3,12 @@
 from types import SimpleNamespace
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import colonnade.rollout.worker as worker_module
 from colonnade.config import WorkerConfig
 from colonnade.protocol import Follower, Publisher
+from colonnade.protocol.signing import Signer
 from colonnade.rollout.worker import Worker
 from colonnade.store import LocalStore
 
@@ -24,7 +26,8 @@ def test_a_fetch_that_failed_half_way_still_gets_every_change_loaded(tmp_path, m
     # loaded v1), and v2 in the next: the engine must load what changed from
     # the state it holds (v0), "a" too, not only what v2's patch rewrote.
     store = LocalStore(tmp_path)
-    pub = Publisher(store, "int8", anchor_every=10)
+    signer = Signer(Ed25519PrivateKey.generate(), "r1")
+    pub = Publisher(store, signer, "int8", anchor_every=10)
     for s in _versions():
         pub.publish(s)
     loaded = []
@@ -35,7 +38,7 @@ def test_a_fetch_that_failed_half_way_still_gets_every_change_loaded(tmp_path, m
     w = Worker(WorkerConfig(store=str(tmp_path), id="w1"), store)
     w.spec = SimpleNamespace(precision="int8")
     w.model = w.tok = w.aliases = w.device = None
-    w.follower = Follower(store, anchor_every=10)
+    w.follower = Follower(store, anchor_every=10, trust=signer.trust)
     w.follower.sync(0)
     w._load_weights()  # the engine is built on v0
     w.follower.sync(1)  # ...the fetch that failed after this

@@ -87,9 +87,36 @@ def test_list_times_gives_each_key_its_write_time(store):
     import time
 
     t0 = time.time()
-    store.put("workers/a.json", b"{}")
-    store.put("workers/b.json", b"{}")
+    store.put("w1/heartbeat.json", b"{}")
+    store.put("w1/metrics/000000.jsonl", b"{}")
     store.put("other/c", b"x")
-    times = store.list_times("workers/")
-    assert sorted(times) == ["workers/a.json", "workers/b.json"]
+    times = store.list_times("w1/")
+    assert sorted(times) == ["w1/heartbeat.json", "w1/metrics/000000.jsonl"]
     assert all(abs(t - t0) < 60 for t in times.values())
+
+
+def test_a_sub_store_is_a_folder_of_its_store(store):
+    # The inbox, when it has no bucket of its own: the run store's `inbox/`.
+    inbox = store.sub("inbox/")
+    inbox.put("w1/heartbeat.json", b"{}")
+    assert store.get("inbox/w1/heartbeat.json") == b"{}"
+    store.put("run.json", b"run")
+    assert inbox.list() == ["w1/heartbeat.json"]  # nothing of the run's beside it
+    assert list(inbox.list_times("")) == ["w1/heartbeat.json"]
+    with pytest.raises(NotFound):
+        inbox.get("run.json")
+    assert inbox.put_if_absent("claims/00000000/000000.json", b"a") is True
+    assert inbox.put_if_absent("claims/00000000/000000.json", b"b") is False
+    assert store.get("inbox/claims/00000000/000000.json") == b"a"
+    inbox.delete("w1/heartbeat.json")
+    assert not store.exists("inbox/w1/heartbeat.json")
+    assert store.sub("inbox").list() == inbox.list()  # the slash is optional
+    inbox.sub("w1/").put("x", b"nested")
+    assert store.get("inbox/w1/x") == b"nested"
+    with pytest.raises(ObjectTooLarge):  # the store's limits hold below too
+        inbox.put("big", b"x" * ((16 << 20) + 1))
+    for bad in ("..", "../x", "a//b", "a/./b"):  # no way out of the folder
+        with pytest.raises(InvalidKey):
+            store.sub(bad)
+        with pytest.raises(InvalidKey):
+            inbox.put(bad, b"v")

@@ -1,15 +1,23 @@
 """The collector: only fresh enough, unconsumed batches; stale ones counted once."""
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from colonnade.protocol import EpisodeRecord, GroupRecord, RolloutBatch, encode_batch, keys
+from colonnade.protocol.signing import sign
 from colonnade.store import LocalStore
 from colonnade.train.collect import Collector, take_order
 from colonnade.train.samples import Rejected, Sample
 
+RUN = "r1"
 
-def _put(store, version, worker, seq, task="t1"):
+
+def _put(inbox, version, worker, seq, task="t1", private=None):
+    """A worker's batch in the inbox; signed with `private` when given."""
     ep = EpisodeRecord([1, 2], [True, True], [-0.1, -0.2], "done")
     batch = RolloutBatch(worker, version, seq, [GroupRecord(task, [ep, ep])])
-    store.put(keys.rollout_key(version, worker, seq), encode_batch(batch))
+    key = keys.rollout_key(version, worker, seq)
+    data = encode_batch(batch)
+    inbox.put(key, data if private is None else sign(private, RUN, key, data))
 
 
 def _rebuild(group, version):
@@ -36,7 +44,7 @@ def test_window_consumption_and_stale_counting(tmp_path):
         _put(store, v, "w1", v)
     _put(store, 3, "w2", 0, task="bad")
     store.put(keys.rollout_key(3, "w3", 0), b"garbage")
-    c = Collector(store, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01)
+    c = Collector(store, RUN, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01)
     got = c.collect(3, need=3, stop=Asked(2))  # only two good groups exist
     assert sorted(g[0].version for g in got.groups) == [2, 3]
     assert dict(got.staleness) == {1: 1, 0: 1}
@@ -45,7 +53,8 @@ def test_window_consumption_and_stale_counting(tmp_path):
     assert c.counts["groups_rejected"] == 1 and c.counts["batches_rejected"] == 2
     assert c.counts["rejected_schema"] == 1 and c.counts["rejected_groups"] == 1
     assert sorted(got.rejected) == [keys.rollout_key(3, w, 0) for w in ("w2", "w3")]
-    assert c.per_worker["w2"]["groups_rejected"] == 1
+    # An open run keeps counters only for workers with a group accepted.
+    assert c.per_worker["w1"]["groups"] == 2 and "w2" not in c.per_worker
     # Nothing is taken twice: the next collection waits for new batches.
     asked = Asked(3)
     again = c.collect(3, need=1, stop=asked)
@@ -54,7 +63,7 @@ def test_window_consumption_and_stale_counting(tmp_path):
     found = Asked(1)
     assert len(c.collect(3, need=1, stop=found).groups) == 1 and found.calls == 0
     # A collector that starts from the persisted keys skips them too.
-    c2 = Collector(store, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))
+    c2 = Collector(store, RUN, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))
     assert c2.collect(3, need=1, stop=Asked(2)).groups == []
 
 
@@ -76,20 +85,36 @@ def test_collector_stops_waiting_when_asked(tmp_path, monkeypatch):
 
     naps = []
     monkeypatch.setattr(collect.time, "sleep", naps.append)
-    c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
+    c = Collector(LocalStore(tmp_path), RUN, _rebuild, 10, 8, 1, poll_seconds=0.01)
     asked = Asked(1)
     got = c.collect(0, need=1, stop=asked)
     assert got.groups == [] and asked.calls == 1 and naps == []  # not one nap after the word
 
 
 def test_quarantined_workers_are_refused_and_samples_name_their_worker(tmp_path):
+    # A signed run: registered workers have counters of their own.
     store = LocalStore(tmp_path)
-    _put(store, 0, "good", 0)
-    _put(store, 0, "bad", 0)
-    c = Collector(store, _rebuild, 10, 8, 1, 0.01, quarantined={"bad"})
+    ring = {w: Ed25519PrivateKey.generate() for w in ("good", "bad")}
+    _put(store, 0, "good", 0, private=ring["good"])
+    _put(store, 0, "bad", 0, private=ring["bad"])
+    c = Collector(store, RUN, _rebuild, 10, 8, 1, 0.01, quarantined={"bad"},
+                  keyring={w: k.public_key() for w, k in ring.items()})  # fmt: skip
     got = c.collect(0, need=2, stop=Asked(2))
     assert len(got.groups) == 1 and all(s.worker == "good" for s in got.groups[0])
     assert c.counts["rejected_quarantined"] == 1 and c.per_worker["bad"]["batches_rejected"] == 1
+
+
+def test_an_open_run_keeps_no_counters_for_a_worker_never_accepted(tmp_path):
+    # Without a keyring anyone may write under any name: junk under fresh
+    # names grows no per-worker state, until a group of that worker is accepted.
+    store = LocalStore(tmp_path)
+    _put(store, 0, "good", 0)
+    _put(store, 0, "bad", 0)
+    c = Collector(store, RUN, _rebuild, 10, 8, 1, 0.01, quarantined={"bad"})
+    got = c.collect(0, need=2, stop=Asked(2))
+    assert len(got.groups) == 1 and all(s.worker == "good" for s in got.groups[0])
+    assert c.counts["rejected_quarantined"] == 1
+    assert "bad" not in c.per_worker and c.per_worker["good"]["groups"] == 1
 
 
 def test_a_long_wait_of_fast_polls_keeps_polling(tmp_path, monkeypatch):
@@ -99,7 +124,7 @@ def test_a_long_wait_of_fast_polls_keeps_polling(tmp_path, monkeypatch):
 
     naps = []
     monkeypatch.setattr(collect.time, "sleep", naps.append)
-    c = Collector(LocalStore(tmp_path), _rebuild, 10, 8, 1, poll_seconds=0.01)
+    c = Collector(LocalStore(tmp_path), RUN, _rebuild, 10, 8, 1, poll_seconds=0.01)
     c.version_gap = 0.05
     asks = iter(range(1, 3000))
     got = c.collect(0, need=2, stop=lambda taken: next(asks) >= 2000)

@@ -15,7 +15,9 @@ import pytest
 
 from colonnade.config import WorkerConfig
 from colonnade.protocol import keys
-from colonnade.protocol.documents import Claim
+from colonnade.protocol.documents import Claim, sealed
+from colonnade.protocol.inbox import list_inbox, scan
+from colonnade.protocol.reader import open_run
 from colonnade.protocol.schemas import Demand, Latest, SchemaError, VersionMeta, dumps
 from colonnade.rollout.worker import Worker
 from colonnade.store import LocalStore
@@ -28,7 +30,7 @@ from colonnade.train.demand import (
     pending,
     wanted_groups,
 )
-from colonnade.train.retention import garbage
+from colonnade.train.retention import inbox_garbage
 
 G, B = 8, 2  # groups per step, groups per batch
 
@@ -104,40 +106,66 @@ def test_claim_keys_and_retention():
         assert keys.parse_claim_key(bad) is None
     with pytest.raises(ValueError):
         keys.claim_key(1, keys.MAX_SLOT + 1)
-    listing = ["claims/00000007/000000.json", "claims/00000008/000001.json"]
-    assert garbage(listing, 9, 1, 4) == ["claims/00000007/000000.json"]
+    listing = scan({"claims/00000007/000000.json": 1.0, "claims/00000008/000001.json": 1.0})
+    assert inbox_garbage(listing, 9, 1) == ["claims/00000007/000000.json"]
 
 
 # -- over a store: the planner, workers' claims, the trainer's take ------------------------
 
 
-def _latest(store, v, demand):
-    h = "blake3:" + "0" * 64
-    meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
-    store.put(keys.LATEST, Latest(v, meta, demand=demand).to_json())
+class Run:
+    """A run's store with a signed run.json; its inbox, and the trainer's
+    signer for latest.json."""
+
+    def __init__(self, root, signed_run):
+        self.store = LocalStore(root)
+        self.signer = signed_run(self.store, group_size=4, groups_per_batch=B)
+        self.inbox = open_run(self.store).inbox
+
+    def latest(self, v, demand):
+        h = "blake3:" + "0" * 64
+        meta = VersionMeta(v, v, h, 1, 0.0, int(v > 0), h if v else "", 1, h)
+        self.store.put(
+            keys.LATEST, sealed(self.signer, keys.LATEST, Latest(v, meta, demand=demand))
+        )
+
+    def announced(self) -> Demand | None:
+        return Latest.from_dict(
+            self.signer.trust.open(keys.LATEST, self.store.get(keys.LATEST))
+        ).demand
+
+    def rollouts(self) -> list[str]:
+        return sorted(k for found in list_inbox(self.inbox).rollouts.values() for k in found)
+
+    def claims(self) -> list[str]:
+        return sorted(list_inbox(self.inbox).claims)
 
 
-def _worker(store, name):
-    w = Worker(WorkerConfig(id=name, poll_seconds=0.01), store)
+def _worker(run: Run, name):
+    """A worker joined to the run (run.json read and pinned), its engine faked."""
+    w = Worker(WorkerConfig(id=name, poll_seconds=0.01), run.store)
+    view = open_run(run.store)
+    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
     w.engine = SimpleNamespace(version=None)
     return w
 
 
-def _make(w, store) -> bool:
+def _make(w, run: Run) -> bool:
     """One turn of a worker: look at latest.json, run its version, claim, upload."""
     latest = w._poll()
     w.engine.version = latest.version
     if not w.claim():
         return False
-    store.put(keys.rollout_key(latest.version, w.id, w.seq), b"batch")
+    run.inbox.put(keys.rollout_key(latest.version, w.id, w.seq), b"batch")
     w.seq += 1
     return True
 
 
-def _take(store, consumed, step, lag=2) -> int:
+def _take(run: Run, consumed, step, lag=2) -> int:
     """The trainer's step at `step`: G groups, newest version first."""
+    listing = list_inbox(run.inbox)
     fresh = {
-        u: [k for k in store.list(keys.rollouts_dir(u)) if k not in consumed]
+        u: [k for k in sorted(listing.rollouts.get(u, {})) if k not in consumed]
         for u in range(max(0, step - lag), step + 1)
     }
     got = 0
@@ -150,23 +178,23 @@ def _take(store, consumed, step, lag=2) -> int:
     return got
 
 
-def _planner(store, versions=20, lag=2, lease=60.0):
-    return Planner(store, G, B, lag, versions, surplus=2, lease=lease)
+def _planner(run: Run, versions=20, lag=2, lease=60.0):
+    return Planner(run.inbox, "r1", G, B, lag, versions, surplus=2, lease=lease)
 
 
-def test_two_workers_make_about_what_the_trainer_takes(tmp_path):
-    store = LocalStore(tmp_path)
-    planner, consumed = _planner(store), set()
-    workers = [_worker(store, "w1"), _worker(store, "w2")]
-    _latest(store, 0, planner.plan(0, 0, consumed, set()))
+def test_two_workers_make_about_what_the_trainer_takes(tmp_path, signed_run):
+    run = Run(tmp_path, signed_run)
+    planner, consumed = _planner(run), set()
+    workers = [_worker(run, "w1"), _worker(run, "w2")]
+    run.latest(0, planner.plan(0, 0, consumed, set()))
     short = 0
     for v in range(20):
         # Workers far faster than the trainer: each makes all it can claim.
-        while any([_make(w, store) for w in workers]):
+        while any([_make(w, run) for w in workers]):
             pass
-        short += _take(store, consumed, v) < G
-        _latest(store, v + 1, planner.plan(v + 1, v + 1, set(consumed), set()))
-    uploaded = len(store.list(keys.ROLLOUTS))
+        short += _take(run, consumed, v) < G
+        run.latest(v + 1, planner.plan(v + 1, v + 1, set(consumed), set()))
+    uploaded = len(run.rollouts())
     assert short == 0  # the trainer never went without
     assert len(consumed) == 20 * G // B
     # Never trained on: what the last demands asked beyond the run's end (none)
@@ -174,32 +202,30 @@ def test_two_workers_make_about_what_the_trainer_takes(tmp_path):
     waste = 1 - len(consumed) / uploaded
     assert waste <= 0.05, (uploaded, len(consumed))
     # Both workers made batches, and no slot was made twice.
-    assert {keys.parse_rollout_key(k)[1] for k in store.list(keys.ROLLOUTS)} == {"w1", "w2"}
-    claimed = store.list(keys.CLAIMS)
-    assert len(claimed) == uploaded
+    assert {keys.parse_rollout_key(k)[1] for k in run.rollouts()} == {"w1", "w2"}
+    assert len(run.claims()) == uploaded
 
 
-def test_on_policy_runs_ask_for_a_step_of_the_newest_version_only(tmp_path):
-    store = LocalStore(tmp_path)
-    planner = _planner(store, lag=0)
+def test_on_policy_runs_ask_for_a_step_of_the_newest_version_only(tmp_path, signed_run):
+    planner = _planner(Run(tmp_path, signed_run), lag=0)
     d = planner.plan(3, 3, set(), set())
     assert (d.version, d.slots, d.oldest) == (3, (G + 2) // B, 3)
 
 
-def test_a_dead_workers_claim_lapses_and_its_slot_is_made_again(tmp_path):
-    store = LocalStore(tmp_path)
-    planner = _planner(store, versions=1, lease=0.3)  # one step: G groups, + 2
+def test_a_dead_workers_claim_lapses_and_its_slot_is_made_again(tmp_path, signed_run):
+    run = Run(tmp_path, signed_run)
+    planner = _planner(run, versions=1, lease=0.3)  # one step: G groups, + 2
     d0 = planner.plan(0, 0, set(), set())
     assert d0.slots == (G + 2) // B
-    _latest(store, 0, d0)
-    dead, live = _worker(store, "dead"), _worker(store, "live")
-    assert _make(dead, store)
-    store.delete(keys.rollout_key(0, "dead", 0))  # it died before uploading
-    while _make(live, store):
+    run.latest(0, d0)
+    dead, live = _worker(run, "dead"), _worker(run, "live")
+    assert _make(dead, run)
+    run.inbox.delete(keys.rollout_key(0, "dead", 0))  # it died before uploading
+    while _make(live, run):
         pass
-    assert len(store.list(keys.ROLLOUTS)) == d0.slots - 1
+    assert len(run.rollouts()) == d0.slots - 1
     consumed: set[str] = set()
-    taken = _take(store, consumed, 0)
+    taken = _take(run, consumed, 0)
     assert taken == G  # the surplus covered the dead claim
     # While the step waits for more (say the live batches were refused), the
     # dead claim counts as on its way until its lease runs out...
@@ -209,26 +235,26 @@ def test_a_dead_workers_claim_lapses_and_its_slot_is_made_again(tmp_path):
     time.sleep(0.4)
     d = planner.plan(0, 0, set(), refused, current=d0, current_step_only=True)
     assert d.slots == d0.slots + G // B  # ...then its groups are asked for again
-    _latest(store, 0, d)
-    assert _make(live, store)  # and a live worker takes a new slot
-    assert keys.parse_claim_key(sorted(store.list(keys.CLAIMS))[-1])[1] >= d0.slots
+    run.latest(0, d)
+    assert _make(live, run)  # and a live worker takes a new slot
+    assert keys.parse_claim_key(run.claims()[-1])[1] >= d0.slots
 
 
-def test_a_resumed_trainer_works_out_the_same_demand(tmp_path):
-    store = LocalStore(tmp_path)
-    planner, consumed = _planner(store), set()
-    workers = [_worker(store, "w1"), _worker(store, "w2")]
-    _latest(store, 0, planner.plan(0, 0, consumed, set()))
+def test_a_resumed_trainer_works_out_the_same_demand(tmp_path, signed_run):
+    run = Run(tmp_path, signed_run)
+    planner, consumed = _planner(run), set()
+    workers = [_worker(run, "w1"), _worker(run, "w2")]
+    run.latest(0, planner.plan(0, 0, consumed, set()))
     for v in range(3):
         for w in workers:
-            _make(w, store)  # a batch each: the rest of the slots stay open
-        _take(store, consumed, v)
-        _latest(store, v + 1, planner.plan(v + 1, v + 1, set(consumed), set()))
-    _make(workers[0], store)
+            _make(w, run)  # a batch each: the rest of the slots stay open
+        _take(run, consumed, v)
+        run.latest(v + 1, planner.plan(v + 1, v + 1, set(consumed), set()))
+    _make(workers[0], run)
     before = planner.plan(3, 3, consumed, set(), current=None)
-    announced = Latest.from_json(store.get(keys.LATEST)).demand
+    announced = run.announced()
     # A new process: no cache of claims; the ledgers give it `consumed`.
-    again = _planner(store).plan(3, 3, set(consumed), set(), current=announced)
+    again = _planner(run).plan(3, 3, set(consumed), set(), current=announced)
     assert again == before
     # With the announced demand it keeps the slots it opened (they only grow).
     assert again.slots >= announced.slots

@@ -7,12 +7,16 @@ import time
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from colonnade.background import Background
 from colonnade.cli.main import main
 from colonnade.model import tied_aliases
+from colonnade.protocol import keys
+from colonnade.protocol.signing import Signer
 from colonnade.store import LocalStore
 from colonnade.train.checkpoint import (
+    FORMAT,
     Checkpointer,
     init_adam_state,
     latest_checkpoint,
@@ -40,14 +44,19 @@ def _one_update(policy, opt, seed):
     opt.step()
 
 
+def _signer():
+    return Signer(Ed25519PrivateKey.generate(), "r1")
+
+
 def test_a_checkpoint_restores_weights_and_adam_exactly(tiny, tmp_path):
     store = LocalStore(tmp_path / "store")
+    signer = _signer()
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 0)
-    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases).save(3, {"x": 1})
+    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer).save(3, {"x": 1})
     b, opt_b, _ = _policy_and_opt(tiny)
-    state = Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases).load(3)
-    assert state["x"] == 1 and state["ranks"] == 1 and latest_checkpoint(store) == 3
+    state = Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases, signer).load(3)
+    assert state["x"] == 1 and state["ranks"] == 1 and latest_checkpoint(store, signer.trust) == 3
     for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), n
     # The same next update on both: Adam's moments and step count came back.
@@ -69,16 +78,32 @@ def test_initialised_adam_state_is_a_fresh_optimizer(tiny):
         assert torch.equal(p, q)
 
 
+def _state(signer, v) -> bytes:
+    """A checkpoint's state.json as the trainer signs it."""
+    shard = {"bytes": 1, "hash": "blake3:" + "0" * 64}
+    doc = {"version": v, "format": FORMAT, "ranks": 1, "shards": {"shard-1.safetensors": shard}}
+    return signer.seal(keys.checkpoint_state_key(v), doc)
+
+
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
-    store = LocalStore(tmp_path)
+    store, signer = LocalStore(tmp_path), _signer()
     for v in (0, 5, 10, 15):
         store.put(f"trainer/checkpoints/{v:08d}/shard-1.safetensors", b"x")
-        store.put(f"trainer/checkpoints/{v:08d}/state.json", b"{}")
+        store.put(keys.checkpoint_state_key(v), _state(signer, v))
     store.put("trainer/checkpoints/00000020/shard-1.safetensors", b"half")  # no state.json
     assert prune_checkpoints(store, keep=2) == 2
     left = sorted({k.split("/")[2] for k in store.list("trainer/checkpoints/")})
     assert left == ["00000010", "00000015", "00000020"]
-    assert latest_checkpoint(store) == 15
+    assert latest_checkpoint(store, signer.trust) == 15
+
+
+def test_a_checkpoint_the_trainer_did_not_sign_is_passed_over(tmp_path):
+    store, signer = LocalStore(tmp_path), _signer()
+    store.put(keys.checkpoint_state_key(5), _state(signer, 5))
+    store.put(keys.checkpoint_state_key(10), _state(_signer(), 10))  # another key
+    forged = signer.seal(keys.checkpoint_state_key(15), {"x": 1})  # signed, but moved:
+    store.put(keys.checkpoint_state_key(20), forged)  # the key is part of the signature
+    assert latest_checkpoint(store, signer.trust) == 5
 
 
 def test_background_runs_one_job_at_a_time_in_order():
@@ -143,22 +168,28 @@ def test_resume_publishes_a_checkpoint_whose_version_was_cut_short(tiny_dir, tmp
     from colonnade import pulse
     from colonnade.config import TrainerConfig
     from colonnade.protocol import Follower, latest_version, read_meta
+    from colonnade.protocol.signing import new_keypair
     from colonnade.train.trainer import Trainer
 
-    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
+    key, _ = new_keypair("trainer", tmp_path / "keys")
+    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir, key=str(key),
                         staging_dir=str(tmp_path / "staging"))  # fmt: skip
     first = Trainer(cfg)
     first.open()  # v0 published, checkpoint v0
     first._save(1)  # the checkpoint of v1 went up; v1's background publication did not
     first.background.close()
-    assert latest_version(first.store) == 0 and latest_checkpoint(first.store) == 1
+    trust = first.signer.trust
+    assert latest_version(first.store, trust) == 0 and latest_checkpoint(first.store, trust) == 1
     again = Trainer(TrainerConfig(**{**cfg.__dict__, "takeover": True}))
     again.open()
-    assert again.version == 1 == latest_version(again.store)
-    f = Follower(again.store, cfg.anchor_every)
+    assert again.signer.trust == trust  # the same run, the same key
+    assert again.version == 1 == latest_version(again.store, trust)
+    f = Follower(again.store, cfg.anchor_every, trust)
     f.sync(1)
-    assert pulse.state_hash(f.state) == read_meta(again.store, 1).state_hash
-    assert read_meta(again.store, 1).state_hash == read_meta(again.store, 0).state_hash
+    assert pulse.state_hash(f.state) == read_meta(again.store, 1, trust).state_hash
+    assert (
+        read_meta(again.store, 1, trust).state_hash == read_meta(again.store, 0, trust).state_hash
+    )
 
 
 @pytest.mark.s3
@@ -168,15 +199,16 @@ def test_a_checkpoint_goes_to_s3_in_parts_and_comes_back(tiny, tmp_path, seaweed
     for k, v in seaweed.env().items():
         monkeypatch.setenv(k, v)
     store = make_s3_store(seaweed, multipart_bytes=5 << 20)
+    signer = _signer()
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 3)
-    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases).save(1)
+    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer).save(1)
     (shard,) = [k for k in store.list("trainer/checkpoints/") if k.endswith(".safetensors")]
     assert store.size(shard) > 2 * (5 << 20)  # weights and Adam's moments: several parts
     head = store.client.head_object(Bucket=store.bucket, Key=store._k(shard))
     assert head["ETag"].strip('"').endswith(tuple(f"-{n}" for n in range(2, 100)))  # multipart
     b, opt_b, _ = _policy_and_opt(tiny)
-    Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases).load(1)
+    Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases, signer).load(1)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -200,9 +232,11 @@ def test_out_of_range_settings_fail_when_the_config_is_built():
 def test_max_grad_norm_and_scale_by_std_reach_the_step(tiny_dir, tmp_path):
     # Settings the step had but no config could set before.
     from colonnade.config import TrainerConfig
+    from colonnade.protocol.signing import new_keypair
     from colonnade.train.trainer import Trainer
 
-    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir,
+    key, _ = new_keypair("trainer", tmp_path / "keys")  # not one made in the user's cache
+    cfg = TrainerConfig(store=str(tmp_path / "s"), env="smoke", model=tiny_dir, key=str(key),
                         max_grad_norm=0.25, scale_by_std=True)  # fmt: skip
     step = Trainer(cfg).step_cfg
     assert step.max_grad_norm == 0.25 and step.scale_by_std

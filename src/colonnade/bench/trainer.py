@@ -132,11 +132,13 @@ def _load_lm(name: str):
 def run_case(spec: dict) -> dict | None:
     """One case in this process (one rank of it under torchrun): its row on rank 0."""
     import torch
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from colonnade.background import Background
     from colonnade.model import tied_aliases
     from colonnade.model.device import peak_memory_mb
     from colonnade.protocol import Publisher
+    from colonnade.protocol.signing import Signer
     from colonnade.store import LocalStore
     from colonnade.train.distributed import init_distributed
     from colonnade.train.policy import build_policy, full_state
@@ -150,7 +152,9 @@ def run_case(spec: dict) -> dict | None:
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     groups = fixed_groups(vocab, spec) if where.leader else None
     cfg = StepConfig(micro_tokens=spec["micro_tokens"])
-    publisher = Publisher(LocalStore(spec["store"]), "int8", anchor_every=1000)
+    # Signed like the trainer's (protocol 7): the signatures are part of a publication.
+    signer = Signer(Ed25519PrivateKey.generate(), "bench")
+    publisher = Publisher(LocalStore(spec["store"]), signer, "int8", anchor_every=1000)
     v0 = full_state(policy, where, aliases)  # collective under FSDP
     if where.leader:
         publisher.publish(v0)  # before timing

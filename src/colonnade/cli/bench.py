@@ -47,6 +47,12 @@ BENCHES = {
         "2 against max_lag 0, the trainer's wait fraction, and episodes/s with 1 and 2 "
         "workers.",
     ),
+    "signing": (
+        "what the trainer's and workers' signatures cost a smoke run",
+        "One smoke run timed end to end; every object it signed or checked counted from "
+        "what it left, and each kind signed and verified again at its real size (median of "
+        "repeats): the total against the run's wall time.",
+    ),
     "fleet": (
         "the store protocol with a simulated fleet on a simulated WAN (issue 21)",
         "The real trainer (tiny model, smoke env) and simulated workers that are real protocol "

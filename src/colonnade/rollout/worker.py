@@ -53,6 +53,7 @@ from colonnade.protocol import (
 )
 from colonnade.protocol.documents import (
     Claim,
+    Done,
     Quarantine,
     WorkerHeartbeat,
     open_claim,
@@ -84,8 +85,8 @@ log = logging.getLogger("colonnade.worker")
 # A heartbeat at most this often (and with the first batch): the trainer
 # counts workers alive over `heartbeat_timeout` (60 s).
 HEARTBEAT_SECONDS = 20.0
-# Slots tried per look at the demand: in a large fleet most tries find the
-# slot taken, and each is a billed request.
+# Slots tried per look at the demand, after a listing of the taken ones:
+# workers that look at once may still collide, and each try is a billed request.
 CLAIM_TRIES = 2
 NAP_SECONDS = 0.5  # an idle wait sleeps in pieces this long, so a stop is seen
 HINT_SECONDS = 600.0  # the most a joiner believes of latest.json's version_seconds
@@ -193,6 +194,7 @@ class Worker:
         self._loaded: dict[str, torch.Tensor] = {}
         self._bytes_counted = 0
         self.pointer: Latest | None = None  # the last latest.json read: version, demand, done
+        self.finished = False  # trainer/done.json seen (where latest.json did not verify)
         self.taken: tuple[int | None, set[int]] = (None, set())  # (version, slots found taken)
         self.claims = 0  # slots claimed by this process
         # Claims whose put failed (an outage): it may have landed all the same,
@@ -297,8 +299,10 @@ class Worker:
             latest = read_latest(self.store, self.trust)
         except SchemaError as e:
             self.unverified("latest.json", e)
+            self._check_done()
             return None
         if latest is None:
+            self._check_done()
             return None
         if self.pointer is not None and latest.version < self.pointer.version:
             return None  # an old pointer put back: versions never go backwards
@@ -423,9 +427,19 @@ class Worker:
         self.inbox.put(keys.heartbeat_key(self.id), hb.to_json())
         self._beat = time.monotonic()
 
+    def _check_done(self) -> None:
+        """latest.json is missing or not the trainer's: trainer/done.json then
+        says whether the run is over (once the trainer has exited, nobody puts
+        its latest.json back)."""
+        try:
+            self.finished = read_signed(self.store, keys.DONE, Done, self.trust) is not None
+        except SchemaError as e:
+            self.unverified("done.json", e)
+
     def done(self) -> bool:
-        """The run is over: latest.json says so (polled with each fetch)."""
-        return self.pointer is not None and self.pointer.done
+        """The run is over: latest.json says so (polled with each fetch), or,
+        where latest.json does not verify, the trainer's done.json."""
+        return self.finished or (self.pointer is not None and self.pointer.done)
 
     def read_quarantine(self) -> set[str]:
         """The workers the trainer refuses; raises Quarantined if this is one."""
@@ -455,10 +469,22 @@ class Worker:
 
     def claim(self) -> bool:
         """Claim a slot of the running version (put-if-absent; the first
-        writer has it): whether this worker is to make a batch now. A few
-        random free slots are tried, so that many workers seldom collide."""
+        writer has it): whether this worker is to make a batch now. One
+        listing of the version's claims tells which slots are taken (a slot
+        someone else holds, a ghost's included, is never tried blind: a
+        worker that tried taken slots and waited for the demand to change
+        would wait for ever where the trainer counted an untried slot as
+        promised); then a few random free slots are tried, so that many
+        workers seldom collide."""
         free = self.free_slots()
         v = self.running_version
+        if not free:
+            return False
+        for key in self.inbox.list(keys.claims_dir(v)):
+            found = keys.parse_claim_key(key)
+            if found is not None and found[0] == v and key not in self.unsure:
+                self.taken[1].add(found[1])
+        free = [s for s in free if s not in self.taken[1]]
         for slot in random.sample(free, min(CLAIM_TRIES, len(free))):
             key = keys.claim_key(v, slot)
             claim = seal_claim(self.private, self.spec.run_id, key, Claim(self.id, time.time()))
@@ -500,6 +526,8 @@ class Worker:
                     return
                 latest = self._poll()
                 polls += 1
+                if self.finished:
+                    return
                 if latest is not None and (
                     seen is None
                     or latest.done
