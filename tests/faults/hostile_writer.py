@@ -47,10 +47,14 @@ def run_id(store: LocalStore) -> str | None:
 
 
 def newest(store: LocalStore) -> int:
-    found = [v for k in store.list(keys.WEIGHTS) if (v := keys.parse_meta_key(k)) is not None]
+    """The newest version the trainer wrote a patch for (the attacker's own
+    squatted meta.json keys would run away with a count of metas)."""
+    found = [v for k in store.list(keys.WEIGHTS) if k.endswith("/patch.pulse")
+             and (v := keys.parse_weights_key(k)) is not None]  # fmt: skip
     return max(found, default=0)
 
 
+copied: set[str] = set()  # w1's batches already copied
 seen: dict = {}  # the last latest.json document of the trainer's envelope read
 
 
@@ -111,8 +115,9 @@ def forge_claims(inbox: LocalStore, w3: Signer, rid: str, v: int) -> None:
 def forge_batches(inbox: LocalStore, w3: Signer, rid: str, v: int) -> None:
     for key in inbox.list("w1/rollouts/"):
         parsed = keys.parse_rollout_key(key)
-        if parsed is None or parsed[0] < v - 1:
+        if parsed is None or key in copied:
             continue
+        copied.add(key)
         data = inbox.get(key)
         # The same bytes under w2's name: the signature binds the key.
         inbox.put_if_absent(keys.rollout_key(parsed[0], "w2", 900_000 + parsed[2]), data)

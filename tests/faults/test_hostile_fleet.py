@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from colonnade import pulse
 from colonnade.protocol import Follower, keys, latest_version, read_meta
-from colonnade.protocol.documents import ConsumedLedger, Done, Quarantine, read_signed
+from colonnade.protocol.documents import Done, Quarantine, read_signed
 from colonnade.protocol.reader import open_run
 from colonnade.protocol.signing import Signer, fingerprint, load_public, new_keypair
 from colonnade.store import LocalStore
@@ -57,15 +57,34 @@ def _run(tmp: Path, hostile: bool) -> dict:
     """One run of the smoke preset with two honest workers; with `hostile`,
     the attacker writes throughout and the trainer is killed and restarted."""
     root, keydir, tkey = tmp / "run", tmp / "keys", tmp / "trainer-key"
-    env = {**os.environ, "COLONNADE_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "COLONNADE_CACHE": str(tmp / "cache"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     for w in ("w1", "w2", "w3"):  # w3: registered, held by the attacker
         new_keypair(w, keydir)
     new_keypair("trainer", tkey)
-    trainer_args = ["trainer", "--store", str(root), "--preset", "smoke",
-                    "--max-versions", str(MAX_VERSIONS), "--max-lag", "1",
-                    "--checkpoint-every", "2", "--anchor-every", "3",
-                    "--key", str(tkey / "trainer.key"), "--worker-keys", str(keydir)]  # fmt: skip
+    trainer_args = [
+        "trainer",
+        "--store",
+        str(root),
+        "--preset",
+        "smoke",
+        "--max-versions",
+        str(MAX_VERSIONS),
+        "--max-lag",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--anchor-every",
+        "3",
+        "--key",
+        str(tkey / "trainer.key"),
+        "--worker-keys",
+        str(keydir),
+    ]
     store = LocalStore(root)
     trust = fingerprint(load_public(tkey / "trainer.pub")[1])
     logs = {"trainer": tmp / "trainer1.log"}
@@ -75,22 +94,39 @@ def _run(tmp: Path, hostile: bool) -> dict:
     try:
         _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
         if hostile:
-            attacker = _spawn([str(root), str(keydir), str(stop)], tmp / "attacker.log", env,
-                              script=str(HERE / "hostile_writer.py"))  # fmt: skip
+            attacker = _spawn(
+                [str(root), str(keydir), str(stop)],
+                tmp / "attacker.log",
+                env,
+                script=str(HERE / "hostile_writer.py"),
+            )
             _tamper_before_join(store)
             # The flood lands before the workers join: the trainer meets it at once.
             flooded = lambda: "junk objects" in (tmp / "attacker.log").read_text()  # noqa: E731
             _wait(flooded, 300, "the flood", [trainer, attacker])
         for w in ("w1", "w2"):
-            args = ["worker", "--store", str(root), "--id", w, "--key", str(keydir / f"{w}.key"),
-                    "--trust", str(tkey / "trainer.pub")]  # fmt: skip
+            args = [
+                "worker",
+                "--store",
+                str(root),
+                "--id",
+                w,
+                "--key",
+                str(keydir / f"{w}.key"),
+                "--trust",
+                str(tkey / "trainer.pub"),
+            ]
             logs[w] = tmp / f"{w}.log"
             workers.append(_spawn(args, logs[w], env))
         view = open_run(store, trust)
         if hostile:
             half = MAX_VERSIONS // 2
-            _wait(lambda: (latest_version(store, view.trust) or 0) >= half, 300, "half the run",
-                  [trainer, *workers])  # fmt: skip
+            _wait(
+                lambda: (latest_version(store, view.trust) or 0) >= half,
+                300,
+                "half the run",
+                [trainer, *workers],
+            )
             trainer.send_signal(signal.SIGKILL)
             trainer.wait()
             _plant_resume_junk(store, view.spec.run_id)
@@ -128,11 +164,15 @@ def _plant_resume_junk(store: LocalStore, run_id: str) -> None:
     evil = Signer(Ed25519PrivateKey.generate(), run_id)
     hb = {"instance": "evil0000", "host": "evil", "time": time.time(), "version": 99}
     store.put(keys.HEARTBEAT, evil.seal(keys.HEARTBEAT, hb))
-    store.put(keys.consumed_key(3, "evil"), evil.seal(keys.consumed_key(3, "evil"),
-              {"keys": [], "rejected": [], "digests": []}))  # fmt: skip
+    store.put(
+        keys.consumed_key(3, "evil"),
+        evil.seal(keys.consumed_key(3, "evil"), {"keys": [], "rejected": [], "digests": []}),
+    )
     state = keys.checkpoint_state_key(40)
-    store.put(state, evil.seal(state, {"version": 40, "format": "dcp-safetensors-1", "ranks": 1,
-                                       "shards": {}}))  # fmt: skip
+    store.put(
+        state,
+        evil.seal(state, {"version": 40, "format": "dcp-safetensors-1", "ranks": 1, "shards": {}}),
+    )
     store.put(keys.trainer_segment_key(99), b"[" * 200_000)
     store.put(keys.QUARANTINE, b"\xff\xfe not json")
 
@@ -167,15 +207,24 @@ def test_a_hostile_writer_cannot_stop_starve_or_mislead_the_run(tmp_path):
     clean = _check_clean_end(_run(tmp_path / "clean", hostile=False))
     res = _run(tmp_path / "hostile", hostile=True)
     attacks = (tmp_path / "hostile" / "attacker.log").read_text()
-    for kind in ("done flag, unsigned", "huge version, forged signature", "forged next version",
-                 "squatted future meta.json", "forged quarantine", "ghost and garbage claims",
-                 "batch under another worker's name", "re-signed copy", "junk objects"):  # fmt: skip
+    for kind in (
+        "done flag, unsigned",
+        "huge version, forged signature",
+        "forged next version",
+        "squatted future meta.json",
+        "forged quarantine",
+        "ghost and garbage claims",
+        "batch under another worker's name",
+        "re-signed copy",
+        "junk objects",
+    ):
         assert kind in attacks, attacks[-2000:]
     hostile = _check_clean_end(res)
     assert "resumed run" in res["logs"]["trainer2"].read_text()
     # The forgeries were seen and ignored, never acted on.
-    unverified = sum(r.unverified for rows in read_worker_rows(hostile["view"].inbox).values()
-                     for r in rows)  # fmt: skip
+    unverified = sum(
+        r.unverified for rows in read_worker_rows(hostile["view"].inbox).values() for r in rows
+    )
     assert unverified > 0
     counts = hostile["rows"][-1].counts
     assert counts.get("rejected_bad_signature", 0) >= 1  # a batch under another worker's name
@@ -183,7 +232,10 @@ def test_a_hostile_writer_cannot_stop_starve_or_mislead_the_run(tmp_path):
     # worker's (claims aside: "" owns them), and every claim of no version.
     owners = {"", "w1", "w2", "w3"}
     left = [k for k in hostile["view"].inbox.list("") if keys.inbox_owner(k) not in owners]
-    left += [k for k in hostile["view"].inbox.list(keys.CLAIMS)
-             if keys.parse_claim_key(k)[0] > MAX_VERSIONS + 1]  # fmt: skip
+    left += [
+        k
+        for k in hostile["view"].inbox.list(keys.CLAIMS)
+        if keys.parse_claim_key(k)[0] > MAX_VERSIONS + 1
+    ]
     assert not left, left[:5]
     assert hostile["peak_mb"] <= clean["peak_mb"] + 300, (hostile["peak_mb"], clean["peak_mb"])

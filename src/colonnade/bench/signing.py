@@ -73,7 +73,7 @@ def measure(out: Path, versions: int, workers: int) -> dict:
     rows = []
     # The trainer's documents: each signed once, checked by every worker
     # that reads it (latest.json and meta.json: every worker, every version).
-    docs = [k for k in store.list("") if k.endswith(".json") and not k.startswith("report/")]
+    docs = [k for k in store.list("") if k.endswith(".json") and not k.startswith(keys.REPORT)]
     readers = workers + 1
     for kind, match, per in (
         # latest.json: rewritten with each version and demand, polled ~3 times a version.

@@ -51,6 +51,7 @@ DONE = "trainer/done.json"
 HEARTBEAT = "trainer/heartbeat.json"
 KEYRING = "trainer/keys.json"
 QUARANTINE = "trainer/quarantine.json"
+REPORT = "report/"  # written by `colonnade run`, not by the trainer
 LAUNCH = "report/launch.json"
 EVAL = {"before": "report/eval-before.json", "after": "report/eval-after.json"}
 EVAL_DURING = "report/eval-during/"  # held-out evals while training: {v:08d}.json (launcher)

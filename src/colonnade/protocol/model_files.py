@@ -48,7 +48,8 @@ def fetch_model(store: ObjectStore, spec: RunSpec):
     for name, want in spec.model_files.items():
         data = store.get(keys.model_file(name), max_bytes=MODEL_FILE_LIMIT)
         if digest_bytes(data, algo_of(want)) != want:
-            raise ModelFileError(f"model/{name} does not hash as the signed run.json says")
+            key = keys.model_file(name)
+            raise ModelFileError(f"{key} does not hash as the signed run.json says")
         (folder / name).write_bytes(data)
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -146,7 +146,8 @@ def seal_doc(private: Ed25519PrivateKey | None, run_id: str, key: str, doc: dict
 def read_envelope(data: bytes, key: str, limit: int = MAX_JSON_BYTES) -> dict:
     """The envelope of a document at `key`, its form checked, not its signature."""
     env = loads(data, limit, unique=True)
-    if env.get("protocol") != keys.PROTOCOL_VERSION:
+    p = env.get("protocol")
+    if not (isinstance(p, int) and not isinstance(p, bool) and p == keys.PROTOCOL_VERSION):
         what = "run.json" if key == keys.RUN else key
         hint = "run it with the release that started the run"
         raise _mismatch(what, env.get("protocol"), hint)

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -142,9 +145,19 @@ def trainer_key(cfg: TrainerConfig, store_url: str):
     if not path.exists():
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+        # Every rank of a torchrun gets here: one makes the key, in a folder
+        # of its own renamed into place (never half written), the others read it.
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(path, "trainer", Ed25519PrivateKey.generate())
-        log.info("made the trainer's key %s (keep it: a resume needs it)", path)
+        tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=path.parent))
+        write_private(tmp / "trainer.key", "trainer", Ed25519PrivateKey.generate())
+        try:
+            os.link(tmp / "trainer.key", path)
+            os.replace(tmp / "trainer.pub", path.with_suffix(".pub"))
+            log.info("made the trainer's key %s (keep it: a resume needs it)", path)
+        except FileExistsError:
+            pass  # another rank made it first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return load_private(path)[1]
 
 
