@@ -15,6 +15,10 @@ from colonnade.envs.args import MAX_DEPTH
 from colonnade.launch.config import effective_tables, resolve_run_config, to_toml
 from colonnade.protocol.schemas import RunSpec, SchemaError
 
+# run.json's fields after env_kwargs: model files, vocab, precision, group sizes,
+# lag, anchors, sampling, trainer key.
+SPEC_REST = ({"config.json": "sha256:" + "0" * 64}, 2048, "int8", 4, 2, 1, 10, {}, "0" * 64)
+
 RICH = {
     "size": 50,
     "ratio": 0.25,
@@ -68,7 +72,20 @@ def test_bad_arguments_are_refused_naming_them(items, match):
 
 
 def test_every_json_type_round_trips_through_run_json():
-    spec = RunSpec("r", "rg:basic_arithmetic", RICH, ["config.json"], 2048, "int8", 4, 2, 1, 10, {})
+    spec = RunSpec(
+        "r",
+        "rg:basic_arithmetic",
+        RICH,
+        {"config.json": "sha256:" + "0" * 64},
+        2048,
+        "int8",
+        4,
+        2,
+        1,
+        10,
+        {},
+        "0" * 64,
+    )
     assert RunSpec.from_json(spec.to_json()).env_kwargs == RICH
 
 
@@ -78,7 +95,20 @@ def test_every_json_type_round_trips_through_run_json():
 def test_run_json_refuses_what_the_other_sides_refuse(bad):
     with pytest.raises(ValueError):
         check_env_kwargs(bad)
-    spec = RunSpec("r", "smoke", bad, ["config.json"], 2048, "int8", 4, 2, 1, 10, {})
+    spec = RunSpec(
+        "r",
+        "smoke",
+        bad,
+        {"config.json": "sha256:" + "0" * 64},
+        2048,
+        "int8",
+        4,
+        2,
+        1,
+        10,
+        {},
+        "0" * 64,
+    )
     with pytest.raises(SchemaError, match="env_kwargs"):
         RunSpec.from_json(spec.to_json())
     with pytest.raises(ValueError):
@@ -94,7 +124,20 @@ def test_run_config_merges_flags_over_the_file_key_by_key(tmp_path):
     assert kwargs == {"size": 20, "operators": ["+"], "flag": False, "deep": {"k": [1, 2.5]}}
     # What the run writes for the trainer reads back the same, and run.json takes it.
     assert tomllib.loads(to_toml(tables))["trainer"]["env_kwargs"] == kwargs
-    spec = RunSpec("r", "smoke", kwargs, ["config.json"], 2048, "int8", 4, 2, 1, 10, {})
+    spec = RunSpec(
+        "r",
+        "smoke",
+        kwargs,
+        {"config.json": "sha256:" + "0" * 64},
+        2048,
+        "int8",
+        4,
+        2,
+        1,
+        10,
+        {},
+        "0" * 64,
+    )
     assert RunSpec.from_json(spec.to_json()).env_kwargs == kwargs
 
 

@@ -130,8 +130,8 @@ def test_a_model_directory_and_its_published_v0_run_identical_codes(tiny_dir, tm
     direct = load_engine(tiny_dir, "int8", "cpu").model
     model, tok = load_model(tiny_dir)
     store = LocalStore(tmp_path)
-    Publisher(store, "int8", anchor_every=10).publish(publishable_state(model))
-    f = Follower(store, 10)
+    Publisher(store, _signer(), "int8", anchor_every=10).publish(publishable_state(model))
+    f = Follower(store, 10, _signer().trust)
     f.sync(0)
     skeleton, _ = load_model(tiny_dir)
     worker = engine_for(skeleton, tok, f.state, "int8", torch.device("cpu")).model
@@ -213,3 +213,17 @@ def test_siblings_called_out_of_pattern_still_compute_their_own_outputs():
         got, want = members[i](inp), alone[i](inp)
         assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (i, inp is x)
     assert members[1].bias is None and torch.equal(members[0].bias, alone[0].bias)
+
+
+_SIGNER = []
+
+
+def _signer():
+    """One trainer key for the module: its publisher and followers agree."""
+    if not _SIGNER:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from colonnade.protocol.signing import Signer
+
+        _SIGNER.append(Signer(Ed25519PrivateKey.generate(), "r1"))
+    return _SIGNER[0]

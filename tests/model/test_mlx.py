@@ -155,14 +155,14 @@ def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_
 
     model, _ = arch_model(ARCHS[0])
     store = LocalStore(tmp_path)
-    pub = Publisher(store, "int8", anchor_every=10)
+    pub = Publisher(store, _signer(), "int8", anchor_every=10)
     state = publishable_state(model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         pub.publish(state)
         state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
     aliases = tied_aliases(model)
-    follower = Follower(store, anchor_every=10)
+    follower = Follower(store, anchor_every=10, trust=_signer().trust)
     follower.sync(0)
     mm = MlxModel(model.config, aliases, "int8")
     mm.load(follower.state)
@@ -171,7 +171,7 @@ def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_
     for n in mm.linear_names:  # its own copies: the follower's rewrite did not reach it
         assert np.array_equal(_bits(dequantized(mm.linear(n))), at_v0[n]), n
     assert mm.load(follower.state) > 0
-    copying = Follower(store, 10, in_place=False)
+    copying = Follower(store, 10, _signer().trust, in_place=False)
     copying.sync(2)
     fresh = MlxModel(model.config, aliases, "int8")
     fresh.load(copying.state)
@@ -181,3 +181,17 @@ def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_
         assert np.array_equal(got, _bits(dequantized(fresh.linear(n)))), n
         moved += not np.array_equal(got, at_v0[n])
     assert moved > 0
+
+
+_SIGNER = []
+
+
+def _signer():
+    """One trainer key for the module: its publisher and followers agree."""
+    if not _SIGNER:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from colonnade.protocol.signing import Signer
+
+        _SIGNER.append(Signer(Ed25519PrivateKey.generate(), "r1"))
+    return _SIGNER[0]
