@@ -89,6 +89,7 @@ HEARTBEAT_SECONDS = 20.0
 # workers that look at once may still collide, and each try is a billed request.
 CLAIM_TRIES = 2
 NAP_SECONDS = 0.5  # an idle wait sleeps in pieces this long, so a stop is seen
+UNVERIFIED_RETRIES = 8  # quick looks again at a latest.json that does not verify
 HINT_SECONDS = 600.0  # the most a joiner believes of latest.json's version_seconds
 
 
@@ -295,12 +296,18 @@ class Worker:
         """weights/latest.json: the one request a waiting worker makes. One
         that does not verify, or names an older version than one seen, is
         ignored (None)."""
-        try:
-            latest = read_latest(self.store, self.trust)
-        except SchemaError as e:
-            self.unverified("latest.json", e)
-            self._check_done()
-            return None
+        for attempt in range(UNVERIFIED_RETRIES + 1):
+            try:
+                latest = read_latest(self.store, self.trust)
+                break
+            except SchemaError as e:
+                # Someone replaced it; the trainer puts its own back within
+                # about a second: a few quick looks usually find it.
+                if attempt == UNVERIFIED_RETRIES or self.stop.requested:
+                    self.unverified("latest.json", e)  # once a look
+                    self._check_done()
+                    return None
+                time.sleep(random.uniform(0.1, 0.4))
         if latest is None:
             self._check_done()
             return None
