@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from colonnade.store import NotFound, ObjectStore
+from colonnade.store import NotFound, ObjectStore, StoreError, StoreUnavailable
 
 from .keys import check_worker_id, parse_rollout_key
 from .schemas import MAX_JSON_BYTES, SchemaError, _int, _need, _num, _same_fields, dumps, loads
@@ -66,6 +66,20 @@ def sealed(signer: Signer, key: str, doc: Any) -> bytes:
 
 def write_signed(store: ObjectStore, key: str, doc: Any, signer: Signer) -> None:
     store.put(key, sealed(signer, key, doc))
+
+
+def put_back(store: ObjectStore, key: str, mine: bytes) -> bool:
+    """The object at `key` as `mine`, written again if anyone replaced or
+    removed it; whether it had to be. An unavailable store is raised."""
+    try:
+        if store.get(key, max_bytes=len(mine)) == mine:
+            return False
+    except StoreUnavailable:
+        raise
+    except StoreError:  # missing, too large, not a readable object: ours goes back
+        pass
+    store.put(key, mine)
+    return True
 
 
 def _text(x: Any, what: str, empty: bool = True) -> None:

@@ -35,7 +35,7 @@ from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
 from . import keys
-from .documents import sealed
+from .documents import put_back, sealed
 from .polling import moving_gap
 from .schemas import MAX_JSON_BYTES, Demand, Latest, SchemaError, VersionMeta
 from .signing import Signer, Trust
@@ -191,15 +191,7 @@ class Publisher:
         replaced or removed it; whether it had to be."""
         with self._pointing:
             mine = self.latest_bytes
-            if mine is None:
-                return False
-            try:
-                if self.store.get(keys.LATEST, max_bytes=len(mine)) == mine:
-                    return False
-            except (NotFound, ObjectTooLarge):
-                pass
-            self.store.put(keys.LATEST, mine)
-            return True
+            return mine is not None and put_back(self.store, keys.LATEST, mine)
 
 
 def _signed(store: ObjectStore, key: str, cls, trust: Trust):

@@ -55,6 +55,7 @@ from colonnade.protocol.documents import (
     Done,
     Quarantine,
     TrainerHeartbeat,
+    put_back,
     read_signed,
     sealed,
     write_signed,
@@ -78,7 +79,7 @@ from colonnade.protocol.signing import (
 from colonnade.protocol.turns import episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
 from colonnade.pulse.hashing import digest_bytes
-from colonnade.store import NotFound, ObjectStore, StoreError, StoreUnavailable, open_store
+from colonnade.store import ObjectStore, StoreError, open_store
 from colonnade.store.retry import retry_unavailable
 from colonnade.telemetry import Exporter, Telemetry
 
@@ -548,17 +549,7 @@ class Trainer:
         them (workers would ignore the forgery, but lose sight of the run), so
         they are checked and put back; how many had to be."""
         fixed = int(self.publisher.guard()) + self._guard_model()
-        for key, mine in self.guarded.items():
-            try:
-                if self.store.get(key, max_bytes=len(mine)) == mine:
-                    continue
-            except NotFound:
-                pass
-            except StoreError as e:
-                if isinstance(e, StoreUnavailable):
-                    raise
-            self.store.put(key, mine)
-            fixed += 1
+        fixed += sum(put_back(self.store, key, mine) for key, mine in self.guarded.items())
         if fixed:
             log.warning(
                 "%d of the trainer's documents were replaced by someone else: written again", fixed
@@ -586,19 +577,10 @@ class Trainer:
         times = self.store.list_times(keys.MODEL)
         if times == self._model_times:
             return 0
-        fixed = 0
-        for name, data in self.model_bytes.items():
-            key = keys.model_file(name)
-            try:
-                if self.store.get(key, max_bytes=len(data)) == data:
-                    continue
-            except NotFound:
-                pass
-            except StoreError as e:
-                if isinstance(e, StoreUnavailable):
-                    raise
-            self.store.put(key, data)
-            fixed += 1
+        fixed = sum(
+            put_back(self.store, keys.model_file(name), data)
+            for name, data in self.model_bytes.items()
+        )
         self._model_times = self.store.list_times(keys.MODEL)
         return fixed
 
