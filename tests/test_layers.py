@@ -3,9 +3,12 @@
 Floors, bottom up (a package imports only from floors below it, or from
 itself):
 
-1. foundations: `untrusted`, `background`, `config`, `progress`, `store`,
-   `envs` (none imports another colonnade package), then `pulse` (the
-   weight codec) and `model` (the networks, over pulse's codes);
+1. foundations: `choices` (the named choices several layers check) and
+   `untrusted` (bounds and checks of input from strangers), which import
+   nothing of colonnade and which every package may use; `background`,
+   `config`, `progress`, `store`, `envs` (none imports another colonnade
+   package but those two), then `pulse` (the weight codec) and `model` (the
+   networks, over pulse's codes);
 2. `protocol`: everything the trainer and the workers share: keys, typed
    documents, the rollout batch, weight versions, the model files, the
    episode contract (`protocol/turns.py`);
@@ -29,21 +32,23 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "colonnade"
 
-FOUNDATIONS = {"untrusted", "background", "config", "progress", "store", "envs"}
+BASE = {"choices", "untrusted"}  # import nothing; every package may import them
+FOUNDATIONS = BASE | {"background", "config", "progress", "store", "envs"}
 _BELOW_PROTOCOL = FOUNDATIONS | {"pulse", "model"}
 _SIDE = _BELOW_PROTOCOL | {"protocol", "telemetry"}
 _RUN = _SIDE | {"rollout", "train", "report"}
 
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
-    **{name: set() for name in FOUNDATIONS},
-    "pulse": {"untrusted"},
-    "model": {"pulse", "untrusted"},
+    **{name: BASE for name in FOUNDATIONS - BASE},
+    **{name: set() for name in BASE},
+    "pulse": BASE,
+    "model": BASE | {"pulse"},
     "protocol": _BELOW_PROTOCOL,
     "telemetry": _BELOW_PROTOCOL | {"protocol"},
     "rollout": _SIDE,
     "train": _SIDE,
-    "report": {"untrusted", "store", "envs", "protocol", "telemetry"},
+    "report": BASE | {"store", "envs", "protocol", "telemetry"},
     "launch": _RUN,
     "cli": _RUN | {"launch"},
     "bench": _RUN | {"launch"},

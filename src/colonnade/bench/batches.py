@@ -37,8 +37,8 @@ import numpy as np
 import zstandard
 
 from colonnade import untrusted
+from colonnade.choices import ENGINES
 from colonnade.protocol.schemas import (
-    ENGINES,
     FINISHES,
     MAX_BATCH_BYTES,
     EpisodeRecord,

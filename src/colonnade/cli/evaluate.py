@@ -8,6 +8,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from colonnade.choices import ENGINE_CHOICES
+
 from .envargs import add_env_arg, env_kwargs
 
 
@@ -49,9 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
     e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (torch engine)")
-    e.add_argument(
-        "--engine", default="torch", choices=["auto", "torch", "mlx"], help="rollout engine"
-    )
+    e.add_argument("--engine", default="torch", choices=ENGINE_CHOICES, help="rollout engine")
     e.add_argument("--temperature", type=float, default=1.0, help="of the sampled pass")
     e.add_argument("--batch-size", type=int, default=50, help="episodes a batch")
     e.add_argument("--seed", type=int, default=0)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colonnade.choices import HASHES, PUBLISHED_PRECISIONS
+
 from .loading import setting
 
 DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cuda", "mps", "cpu")
-PRECISIONS = ("int8", "bf16")
-# pulse.hashing.ALGOS (a test keeps the two equal; importing pulse costs torch).
-HASHES = ("blake3", "sha256")
 
 
 @dataclass
@@ -39,7 +38,9 @@ class TrainerConfig:
     env: str = setting("smoke", "environment name or import path")
     env_kwargs: dict = setting({}, "the environment's arguments (flags: --env-arg k=v)")
     model: str = setting("tiny", "preset (tiny, smollm2-135m), model directory or hub name")
-    precision: str = setting("int8", "of the published weights: what workers run", PRECISIONS)
+    precision: str = setting(
+        "int8", "of the published weights: what workers run", PUBLISHED_PRECISIONS
+    )
     hash: str = setting(
         "blake3", "of published states and payloads (sha256 where required)", HASHES
     )

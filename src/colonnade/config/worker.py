@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colonnade.choices import ENGINE_CHOICES
+
 from .loading import setting
 
-ENGINES = ("auto", "torch", "mlx")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -30,7 +31,9 @@ class WorkerConfig:
     id: str = setting("", "the worker's name in the run (default: host-pid)")
     device: str = setting("cpu", "where the torch engine runs", DEVICES)
     engine: str = setting(
-        "auto", "rollout engine (auto: MLX on Apple silicon when installed, else torch)", ENGINES
+        "auto",
+        "rollout engine (auto: MLX on Apple silicon when installed, else torch)",
+        ENGINE_CHOICES,
     )
     max_batches: int = setting(0, "stop after this many uploads (0: until the run is done)")
     poll_seconds: float = setting(
@@ -45,8 +48,8 @@ class WorkerConfig:
 
     def check(self) -> None:
         """Settings no worker can run with: a ValueError naming them."""
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.engine not in ENGINE_CHOICES:
+            raise ValueError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
         if self.max_batches < 0 or self.poll_seconds <= 0:
             raise ValueError("max_batches must be >= 0 and poll_seconds > 0")
         if self.join_timeout <= 0:

@@ -23,6 +23,7 @@ import numpy as np
 import zstandard
 
 from colonnade import untrusted
+from colonnade.choices import ENGINES, PUBLISHED_PRECISIONS
 from colonnade.envs.args import check_env_kwargs
 from colonnade.pulse.hashing import is_hash
 
@@ -149,7 +150,10 @@ class RunSpec:
             and all(isinstance(f, str) and "/" not in f and is_hash(h) for f, h in files.items()),
             "model_files: {file name: hash}",
         )
-        _need(d["precision"] in ("int8", "bf16"), "precision: int8 or bf16")
+        _need(
+            d["precision"] in PUBLISHED_PRECISIONS,
+            f"precision: {' or '.join(PUBLISHED_PRECISIONS)}",
+        )
         for k in ("vocab_size", "group_size", "groups_per_batch", "anchor_every"):
             _need(_int(d[k], 1), f"{k}: positive integer")
         _need(_int(d["max_lag"], 0), "max_lag: integer >= 0")
@@ -324,7 +328,6 @@ class RolloutBatch:
 
 # Known names only: the trainer counts batches per engine, and a free-form
 # name from a worker would grow that count table without bound.
-ENGINES = ("torch", "mlx")
 BATCH_FIELDS = {"protocol", "worker", "version", "seq", "engine", "stats", "groups"}
 META_KEY = "colonnade"  # the one entry of the safetensors metadata: the batch's JSON fields
 # name -> (safetensors dtype, numpy dtype); every tensor is one-dimensional.

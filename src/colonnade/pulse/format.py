@@ -28,6 +28,7 @@ import blake3
 import zstandard
 
 from colonnade import untrusted
+from colonnade.choices import STORED_PRECISIONS
 
 from .errors import PatchError
 from .hashing import is_hash
@@ -50,7 +51,6 @@ RESIDUAL_LAYOUTS = {"planes": 1, "sym2": 2, "rc": 2}
 POSITION_CODES = frozenset(POSITION_BLOCKS)
 RESIDUAL_CODES = frozenset({"xor", "delta"})
 CONTEXTS = frozenset({"exp", "rowscale", "none"})
-PRECISIONS = frozenset({"bf16", "int8", "exact"})
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _is_int(x: Any, lo: int = 0, hi: int = MAX_ELEMENTS) -> bool:
 def validate_header(h: Any) -> None:
     """Schema of the header; raises ValueError/KeyError/TypeError on any deviation."""
     _check(isinstance(h, dict), "header must be an object")
-    _check(h["precision"] in PRECISIONS, f"unknown precision {h['precision']!r}")
+    _check(h["precision"] in STORED_PRECISIONS, f"unknown precision {h['precision']!r}")
     _check(is_hash(h["base_hash"]) and is_hash(h["result_hash"]), "bad base_hash/result_hash")
     _check(_is_int(h["chunk_elems"], 1, 1 << 32), "bad chunk_elems")
     _check(isinstance(h["tensors"], list), "tensors must be a list")
