@@ -79,7 +79,7 @@ def seaweed():
 @pytest.fixture(scope="session")
 def mlx_ready():
     """MLX is importable; outside CI its absence skips, in CI it fails (never silently)."""
-    from colonnade.rollout.mlx_engine import mlx_missing
+    from colonnade.engine.mlx_backend import mlx_missing
 
     reason = mlx_missing()
     if reason:

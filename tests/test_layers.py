@@ -11,8 +11,11 @@ itself):
    networks, over pulse's codes);
 2. `protocol`: everything the trainer and the workers share: keys, typed
    documents, the rollout batch, weight versions, the model files, the
-   episode contract (`protocol/turns.py`);
-3. `telemetry`: metric rows written and read, over protocol;
+   episode contract (`protocol/turns.py`). It imports no role's `config`:
+   the wire does not depend on how a role is set up;
+3. `telemetry`: metric rows written and read, over protocol; `engine`: the
+   rollout engine (episodes over a pluggable backend), over protocol's
+   episode contract;
 4. the two sides, which never import each other: `rollout` (the worker)
    and `train` (the trainer);
 5. `report`: reads a run's store through protocol and telemetry, whichever
@@ -36,7 +39,7 @@ BASE = {"choices", "untrusted"}  # import nothing; every package may import them
 FOUNDATIONS = BASE | {"background", "config", "progress", "store", "envs"}
 _BELOW_PROTOCOL = FOUNDATIONS | {"pulse", "model"}
 _SIDE = _BELOW_PROTOCOL | {"protocol", "telemetry"}
-_RUN = _SIDE | {"rollout", "train", "report"}
+_RUN = _SIDE | {"engine", "rollout", "train", "report"}
 
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -44,9 +47,10 @@ ALLOWED: dict[str, set[str]] = {
     **{name: set() for name in BASE},
     "pulse": BASE,
     "model": BASE | {"pulse"},
-    "protocol": _BELOW_PROTOCOL,
+    "protocol": _BELOW_PROTOCOL - {"config"},
     "telemetry": _BELOW_PROTOCOL | {"protocol"},
-    "rollout": _SIDE,
+    "engine": _BELOW_PROTOCOL | {"protocol"},
+    "rollout": _SIDE | {"engine"},
     "train": _SIDE,
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
     "launch": _RUN,
@@ -58,8 +62,8 @@ ALLOWED: dict[str, set[str]] = {
 ROLE_MODULES = ("colonnade.rollout.worker", "colonnade.train.trainer")
 ROLE_CALLERS = {"cli"}  # packages that may run a role, not only configure it
 # Modules elsewhere that run the roles in-process: the fleet simulation runs
-# the real trainer and subclasses the real worker (issue 21).
-ROLE_CALLER_FILES = {Path("bench/fleet.py")}
+# the real trainer and subclasses the real worker.
+ROLE_CALLER_FILES = {Path("bench/fleet/simulation.py"), Path("bench/fleet/sim_worker.py")}
 
 
 def _module(path: Path) -> str:
@@ -124,7 +128,7 @@ def test_packages_import_only_from_the_floors_below():
         ("train", {"rollout", "launch", "report"}),
         ("rollout", {"train", "launch", "report"}),
         ("report", {"train", "rollout", "launch"}),
-        ("protocol", {"train", "rollout", "launch", "report", "telemetry"}),
+        ("protocol", {"train", "rollout", "launch", "report", "telemetry", "config"}),
     ],
 )
 def test_the_sides_share_only_protocol(side, never):
@@ -145,8 +149,8 @@ def test_role_modules_are_run_only_by_the_cli():
 
 def test_the_checker_sees_lazy_and_relative_imports():
     """The rules above would pass vacuously if imports went unseen."""
-    found = {(t, tuple(n)) for t, n, _ in _imports(SRC / "rollout" / "episodes.py")}
-    assert ("colonnade.rollout.engine", ("Engine", "Episode")) in found
+    found = {(t, tuple(n)) for t, n, _ in _imports(SRC / "engine" / "loop.py")}
+    assert ("colonnade.engine.session", ("Session",)) in found
     lazy = {t for t, _, _ in _imports(SRC / "launch" / "run.py")}
     assert "colonnade.report" in lazy  # imported inside a function
     assert "colonnade.untrusted" in {t for t, _, _ in _imports(SRC / "protocol" / "schemas.py")}

@@ -122,19 +122,19 @@ def test_loading_only_the_changed_tensors_equals_a_full_load(tiny_dir, tiny):
 def test_a_model_directory_and_its_published_v0_run_identical_codes(tiny_dir, tmp_path):
     """One quantizer: `colonnade eval` of a directory, the run's eval before,
     and a worker on the run's v0 all run the codes the trainer published."""
+    from colonnade.engine.loader import engine_for, load_engine
     from colonnade.model import publishable_state
     from colonnade.protocol import Follower, Publisher
-    from colonnade.rollout.loader import engine_for, load_engine
     from colonnade.store import LocalStore
 
-    direct = load_engine(tiny_dir, "int8", "cpu").model
+    direct = load_engine(tiny_dir, "int8", "cpu").backend.model
     model, tok = load_model(tiny_dir)
     store = LocalStore(tmp_path)
     Publisher(store, _signer(), "int8", anchor_every=10).publish(publishable_state(model))
     f = Follower(store, 10, _signer().trust)
     f.sync(0)
     skeleton, _ = load_model(tiny_dir)
-    worker = engine_for(skeleton, tok, f.state, "int8", torch.device("cpu")).model
+    worker = engine_for(skeleton, tok, f.state, "int8", torch.device("cpu")).backend.model
     linears = [(n, m) for n, m in direct.named_modules() if isinstance(m, Int8Linear)]
     assert linears
     for name, m in linears:

@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 import torch
 
+from colonnade.engine import Engine, SamplingParams
+from colonnade.engine.torch_backend import TorchBackend
 from colonnade.model import int8_state, load_int8, load_model, resolve_model, tied_aliases
-from colonnade.rollout import Engine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_int8_engine_logprobs_match_teacher_forcing(smol):
     replies = iter([" (noted) ", " (noted) "])
     responders = [lambda text: next(replies, None) for _ in prompts]
     params = SamplingParams(max_turn_tokens=6, max_episode_tokens=40)
-    eps = Engine(qmodel, tok).generate(prompts, responders, params, seed=0)
+    eps = Engine(TorchBackend(qmodel), tok).generate(prompts, responders, params, seed=0)
     diffs = []
     for ep in eps:
         ref = sequence_logprobs(qmodel, ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
@@ -65,10 +66,10 @@ def test_int8_engine_logprobs_match_teacher_forcing(smol):
 
 @pytest.fixture(scope="module")
 def smol_mlx(smol, mlx_ready):
-    from colonnade.rollout.mlx_engine import MlxEngine
+    from colonnade.engine import engine_for
 
     model, _, tok = smol
-    return MlxEngine.from_state(model, tok, int8_state(model), "int8")
+    return engine_for(model, tok, int8_state(model), "int8", torch.device("cpu"), "mlx")
 
 
 def test_mlx_int8_on_smollm2_tracks_fp32_and_the_torch_int8_engine(smol, smol_mlx):
@@ -80,7 +81,7 @@ def test_mlx_int8_on_smollm2_tracks_fp32_and_the_torch_int8_engine(smol, smol_ml
     model, qmodel, tok = smol
     ids = tok.encode("The capital of France is Paris. The capital of Italy is Rome, and")
     fp32 = sequence_logprobs(model, ids, 1)
-    mlx = smol_mlx.model.sequence_logprobs(ids, 1)
+    mlx = smol_mlx.backend.model.sequence_logprobs(ids, 1)
     torch_int8 = sequence_logprobs(qmodel, ids, 1)
     # int8 itself costs ~0.06 nats a token here, on either engine.
     own, theirs = (mlx - fp32).abs().mean(), (torch_int8 - fp32).abs().mean()
@@ -96,12 +97,12 @@ def test_mlx_engine_logprobs_match_mlx_teacher_forcing_on_smollm2(smol_mlx):
     responders = [lambda text: next(replies, None) for _ in prompts]
     params = SamplingParams(max_turn_tokens=6, max_episode_tokens=40)
     eps = smol_mlx.generate(prompts, responders, params, seed=0)
+    teacher = smol_mlx.backend.model.sequence_logprobs
     d = torch.cat(
         [
-            (
-                smol_mlx.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
-                - torch.tensor(ep.logprobs)
-            )[torch.tensor(ep.from_model)].abs()
+            (teacher(ep.prompt_ids + ep.tokens, len(ep.prompt_ids)) - torch.tensor(ep.logprobs))[
+                torch.tensor(ep.from_model)
+            ].abs()
             for ep in eps
         ]
     )

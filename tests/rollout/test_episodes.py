@@ -1,6 +1,8 @@
+from colonnade.engine import Engine, SamplingParams
+from colonnade.engine.torch_backend import TorchBackend
 from colonnade.envs import Score, Success, Task, load_environment
 from colonnade.protocol.turns import model_turns
-from colonnade.rollout import Engine, SamplingParams, run_episodes
+from colonnade.rollout import run_episodes
 from colonnade.rollout.episodes import Result
 from colonnade.rollout.evaluate import evaluate, figures_line, summarize
 
@@ -10,7 +12,7 @@ def test_episodes_through_an_env_are_scored_from_their_own_tokens(tiny):
     env = load_environment("searchqa", n_clusters=20)
     tasks = list(env.tasks("train")[:4]) * 2  # groups of 2
     params = SamplingParams(max_turn_tokens=12, max_episode_tokens=200)
-    results = run_episodes(Engine(model, tok), env, tasks, params, seed=1)
+    results = run_episodes(Engine(TorchBackend(model), tok), env, tasks, params, seed=1)
     assert len(results) == 8
     for r in results:
         turns = model_turns(tok, r.episode.tokens, r.episode.from_model, env.stop)
@@ -24,7 +26,7 @@ def test_evaluate_reports_means_and_progress(tiny):
     env = load_environment("smoke", n_tasks=20)
     seen = []
     out = evaluate(
-        Engine(model, tok),
+        Engine(TorchBackend(model), tok),
         env,
         env.tasks("test"),
         SamplingParams(temperature=0, max_turn_tokens=6, max_episode_tokens=6),
@@ -41,7 +43,7 @@ def test_k_samples_a_task_run_consecutively_and_differ(tiny):
     env = load_environment("smoke", n_tasks=20)
     seen = []
     out = evaluate(
-        Engine(model, tok),
+        Engine(TorchBackend(model), tok),
         env,
         env.tasks("test")[:2],
         SamplingParams(temperature=1.0, max_turn_tokens=6, max_episode_tokens=6),

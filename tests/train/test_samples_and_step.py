@@ -145,8 +145,8 @@ def test_a_step_on_the_published_weights_sees_the_workers_policy(tiny_dir, sqa):
     from them by the quantization; run on the published weights it does not,
     and the update still lands on the fp32 masters."""
     from colonnade import pulse
+    from colonnade.engine.loader import engine_for
     from colonnade.model import load_model, publishable_state, tied_aliases
-    from colonnade.rollout.loader import engine_for
     from colonnade.train.policy import weights_as_published
 
     model, tok = load_model(tiny_dir)
@@ -167,7 +167,7 @@ def test_a_step_on_the_published_weights_sees_the_workers_policy(tiny_dir, sqa):
         ),
     )
     with torch.no_grad():
-        lp = policy_logprobs(engine.model, group, tok.pad_token_id, 1.0)
+        lp = policy_logprobs(engine.backend.model, group, tok.pad_token_id, 1.0)
     for r, s in enumerate(group):
         s.behaviour_logp = lp[r, -len(s.from_model) :].tolist()
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}

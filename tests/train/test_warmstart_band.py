@@ -9,8 +9,8 @@ cores), then evaluated at the run's temperature on the int8 engine.
 
 import pytest
 
+from colonnade.engine import SamplingParams, load_engine
 from colonnade.envs import load_environment
-from colonnade.rollout import SamplingParams, load_engine
 from colonnade.rollout.evaluate import evaluate
 from colonnade.train.warmstart import WarmstartConfig, warmstart
 

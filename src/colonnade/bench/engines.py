@@ -110,18 +110,15 @@ def replies(n_turns: int):
 
 def engines_for(arch: str, tok, mlx: bool, seed: int = 0) -> dict:
     """{"torch": torch int8 engine, "mlx": MLX int8 engine} over one set of published codes."""
-    from colonnade.model import int8_state, load_int8, tied_aliases
-    from colonnade.rollout import Engine
+    from colonnade.engine import engine_for
+    from colonnade.model import int8_state
 
     model = tiny_model(arch, tok, seed)
-    aliases = tied_aliases(model)
     state = int8_state(model)
-    engines = {}
-    if mlx:
-        from colonnade.rollout.mlx_engine import MlxEngine
-
-        engines["mlx"] = MlxEngine.from_state(model, tok, state, "int8")
-    engines["torch"] = Engine(load_int8(model, state, aliases), tok)
+    cpu = torch.device("cpu")
+    # MLX first: the torch engine swaps int8 linears into `model` itself.
+    engines = {"mlx": engine_for(model, tok, state, "int8", cpu, "mlx")} if mlx else {}
+    engines["torch"] = engine_for(model, tok, state, "int8", cpu, "torch")
     return engines
 
 
@@ -140,7 +137,7 @@ def gaps(episodes, reference) -> torch.Tensor:
 
 def measure(arch: str, name: str, engine, reference, tok, rows: int, tokens: int) -> dict:
     """One row: `engine` runs `rows` two-turn episodes; its log-probs against `reference`."""
-    from colonnade.rollout import SamplingParams
+    from colonnade.engine import SamplingParams
 
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False) for i in range(rows)]
     params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=4 * tokens, ignore_eos=True)
@@ -184,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     for arch in archs:
         _log(f"{arch}: torch int8{' and MLX int8' if mlx else ''}, {args.rows} episodes")
         engines = engines_for(arch, tok, mlx)
-        reference = engines["torch"].model
+        reference = engines["torch"].backend.model
         for name, engine in engines.items():
             rows.append(measure(arch, name, engine, reference, tok, args.rows, args.tokens))
     print(json.dumps(rows, indent=2) if args.json else markdown_table(rows))
@@ -203,7 +200,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def _mlx_or_say() -> bool:
-    from colonnade.rollout.mlx_engine import mlx_missing
+    from colonnade.engine.mlx_backend import mlx_missing
 
     reason = mlx_missing()
     if reason:

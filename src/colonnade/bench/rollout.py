@@ -99,8 +99,8 @@ def _tiny_texts() -> list[str]:
 
 def load_engines(name: str, mlx: bool) -> dict:
     """{label: engine} for a preset on CPU: torch fp32 and int8, MLX ones if asked."""
+    from colonnade.engine import load_engine
     from colonnade.model import resolve_model
-    from colonnade.rollout import load_engine
 
     path = resolve_model(name, _tiny_texts() if name == "tiny" else None)
     engines = {"fp32": load_engine(path, "fp32", "cpu"), "int8": load_engine(path, "int8", "cpu")}
@@ -114,12 +114,14 @@ def load_engines(name: str, mlx: bool) -> dict:
 def _int8_apart(path: str):
     """The int8 engine with every linear called on its own (no `Siblings`):
     what fusing sibling linears gains, measured beside it."""
+    from colonnade.engine import Engine
+    from colonnade.engine.torch_backend import TorchBackend
     from colonnade.model import int8_state, load_int8, load_model, tied_aliases
-    from colonnade.rollout import Engine
 
     model, tok = load_model(path, dtype=torch.float32)
     aliases = tied_aliases(model)  # before the load: an int8 model no longer shows its ties
-    return Engine(load_int8(model, int8_state(model), aliases, fuse=False).eval(), tok)
+    model = load_int8(model, int8_state(model), aliases, fuse=False).eval()
+    return Engine(TorchBackend(model, "int8", aliases), tok)
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -181,7 +183,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
 
 def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: float = 0.0) -> dict:
     """One row over `engines` (from `load_engines`); `generate` runs fp32's model."""
-    from colonnade.rollout import SamplingParams
+    from colonnade.engine import SamplingParams
 
     fp32 = engines["fp32"]
     tok = fp32.tokenizer
@@ -196,7 +198,7 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
 
     def hf():
         with torch.inference_mode():
-            out = fp32.model.generate(
+            out = fp32.backend.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=True,
@@ -222,7 +224,7 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
     if bandwidth:
         for label in ("fp32", "int8"):
             steps_s = rates[label] / batch
-            share = weight_bytes(engines[label].model) * steps_s / bandwidth
+            share = weight_bytes(engines[label].backend.model) * steps_s / bandwidth
             row[f"{label}_bandwidth_fraction"] = round(share, 3)
     row["peak_rss_mb"] = round(max(*peaks, peak), 1)
     return row
@@ -241,8 +243,8 @@ def measure_groups(
     at most `max_rows` rows at once, a group's prompt prefilled once and
     waiting groups joining as episodes end.
     """
+    from colonnade.engine import SamplingParams
     from colonnade.envs import load_environment
-    from colonnade.rollout import SamplingParams
     from colonnade.rollout.episodes import run_episodes
 
     env = load_environment(env_name)
@@ -310,8 +312,8 @@ def run(args: argparse.Namespace) -> int:
         if args.group_size > 0 and not args.groups_model:
             rows.append({"model": name, **_groups(args, engines["int8"])})
     if args.group_size > 0 and args.groups_model:
+        from colonnade.engine import load_engine
         from colonnade.model import resolve_model
-        from colonnade.rollout import load_engine
 
         log(f"loading {args.groups_model} (int8) for the groups rows")
         engine = load_engine(resolve_model(args.groups_model), "int8", "cpu")
@@ -378,7 +380,7 @@ def machine_text(m: dict) -> str:
 
 
 def _mlx_or_say() -> bool:
-    from colonnade.rollout.mlx_engine import mlx_missing
+    from colonnade.engine.mlx_backend import mlx_missing
 
     reason = mlx_missing()
     if reason:

@@ -135,7 +135,7 @@ def run_eval(
     from colonnade.envs import load_environment, tokenizer_texts_of
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
-    from colonnade.rollout import load_engine
+    from colonnade.engine import load_engine
     from colonnade.rollout.evaluate import evaluate
 
     env = load_environment(env_name, **(env_kwargs or {}))
@@ -205,7 +205,7 @@ def _run_settings(args: argparse.Namespace):
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from colonnade.rollout.mlx_engine import MlxUnavailable
+    from colonnade.engine import BackendUnavailable
 
     from .main import CliError
 
@@ -229,7 +229,7 @@ def _eval(args: argparse.Namespace) -> int:
             k=args.k,
             show=args.show,
         )
-    except (ValueError, FileNotFoundError, MlxUnavailable) as e:
+    except (ValueError, FileNotFoundError, BackendUnavailable) as e:
         raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(out))

@@ -112,7 +112,7 @@ def _trainer(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import WorkerConfig, flag_values, load_config
     from colonnade.protocol import ProtocolMismatch
-    from colonnade.rollout.mlx_engine import MlxUnavailable, UnsupportedArchitecture
+    from colonnade.engine import BackendUnavailable, UnsupportedArchitecture
     from colonnade.rollout.worker import Quarantined, Worker
 
     from .main import CliError
@@ -122,7 +122,7 @@ def _worker(args: argparse.Namespace) -> int:
         cfg = load_config(WorkerConfig, args.config, **flag_values(args, args.setting_dests))
         _need_store(cfg)
         worker = Worker(cfg)
-    except (ValueError, MlxUnavailable) as e:
+    except (ValueError, BackendUnavailable) as e:
         raise CliError(str(e)) from None
     try:
         return worker.run()

@@ -20,10 +20,8 @@ from colonnade.model import load_dequantized, tied_aliases
 from colonnade.protocol import Follower, VersionError, keys
 from colonnade.protocol.model_files import fetch_model
 from colonnade.protocol.reader import open_run
-from colonnade.rollout import SamplingParams, load_engine
-from colonnade.rollout.engine import Engine
+from colonnade.engine import Engine, SamplingParams, engine_for, load_engine, resolve_engine
 from colonnade.rollout.evaluate import Progress, evaluate
-from colonnade.rollout.loader import engine_for, resolve_engine
 from colonnade.store import ObjectStore, StoreError
 
 log = logging.getLogger("colonnade.run")

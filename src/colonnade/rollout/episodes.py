@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from colonnade.engine import Engine, Episode
 from colonnade.envs import Environment, Score, Task
 from colonnade.protocol.turns import SamplingParams, chat_prompt, episode_stops
-
-from .engine import Engine, Episode
 
 
 @dataclass

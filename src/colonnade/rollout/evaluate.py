@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from colonnade.engine import Engine, SamplingParams
 from colonnade.envs import Environment, Metric, Success, Task, metrics_of, success_of
 
-from .engine import Engine
 from .episodes import Result, run_episodes
-from .sampling import SamplingParams
 
 
 def summarize(

@@ -38,6 +38,7 @@ import torch
 
 from colonnade.background import Background
 from colonnade.config import WorkerConfig
+from colonnade.engine import Engine, SamplingParams, engine_for, refresh, resolve_engine
 from colonnade.envs import load_environment
 from colonnade.model import pick_device, tied_aliases
 from colonnade.protocol import (
@@ -76,10 +77,7 @@ from colonnade.store import NotFound, ObjectStore, StoreError, open_store
 from colonnade.store.retry import backoff
 from colonnade.telemetry import Exporter, Telemetry
 
-from .engine import Engine
 from .episodes import run_episodes
-from .loader import engine_for, refresh, resolve_engine
-from .sampling import SamplingParams
 
 log = logging.getLogger("colonnade.worker")
 # A heartbeat at most this often (and with the first batch): the trainer
@@ -272,7 +270,7 @@ class Worker:
             )
         else:
             changed = {k for k, t in state.items() if self._loaded.get(k) is not t}
-            refresh(self.engine, state, self.aliases, self.spec.precision, changed, version)
+            refresh(self.engine, state, changed, version)
         self._loaded = dict(state)
 
     def engine_label(self) -> str:

@@ -1,13 +1,11 @@
-"""The MLX rollout engine: colonnade's episode loop over mlx-lm's models.
+"""The MLX backend: mlx-lm's models running the published int8 codes.
 
 What this module owns: building an mlx-lm model (`mlx_lm.models.<arch>.Model`)
 from the run's transformers config (`MlxModel`), putting a published state
 into it (int8 codes into `nn.QuantizedLinear`, everything else as floats; a
-PULSE patch rebuilds only the tensors it changed), and the batched KV cache
-the episode loop drives (`_MlxSession`). The loop itself (sampling, stop
-strings, turns, the recorded log-probs) is the torch engine's own
-`Engine.generate`, so both engines write the same records; called by
-`loader.engine_for` (worker, `colonnade eval`) and `colonnade bench engines`.
+PULSE patch rebuilds only the tensors it changed), and its batched KV cache
+(`MlxCache`). The episode loop is the engine's own (`loop.Engine`), so both
+backends write the same records.
 
 The int8 layout: MLX stores w = scale · q + bias with q an unsigned byte, one
 (scale, bias) per group of 32/64/128 columns. A published row (codes c,
@@ -25,13 +23,9 @@ float32 copies, `model.int8`; here mlx-lm's `SwitchLinear` in float32). The
 router is an ordinary 2-D weight and runs int8.
 
 The cache: mlx-lm's own caches hold one sequence, or a batch that is only
-ever left-padded (`BatchKVCache`). Colonnade's rows take chunks of different
-lengths every turn (a tool reply joins one row, not the others), so the pad
-columns sit anywhere in a row. `_LayerCache` keeps `BatchKVCache`'s
-preallocated storage and takes its mask and per-row RoPE offsets from the
-engine-neutral `Layout`; sliding-window layers get the window applied in the
-mask over real-token positions, so no column is ever dropped and rows can be
-cut, copied and joined (shared prefixes, continuous batching) on any model.
+ever left-padded (`BatchKVCache`). `MlxCache` keeps `BatchKVCache`'s
+preallocated storage per layer and takes its mask and per-row RoPE offsets
+from the session's `Layout` (see `layout.py` for why pads sit anywhere).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ import torch
 from colonnade.model.int8 import float_value, lookup
 from colonnade.pulse.quant import SCALE_SUFFIX
 
-from .engine import Engine, Layout
+from .backend import BackendUnavailable, UnsupportedArchitecture
 
 # model_type (transformers) -> mlx-lm module, for the architectures whose
 # tensor names, rotary settings and masks are checked against the torch
@@ -64,12 +58,8 @@ GROUP_SIZES = (128, 64, 32)
 PRECISIONS = ("int8", "fp32", "bf16")
 
 
-class MlxUnavailable(RuntimeError):
+class MlxUnavailable(BackendUnavailable):
     """MLX (or mlx-lm) is not installed, or not importable, on this machine."""
-
-
-class UnsupportedArchitecture(ValueError):
-    """An engine does not run this model's architecture."""
 
 
 def mlx_missing() -> str | None:
@@ -150,7 +140,7 @@ def dequantized(layer) -> np.ndarray:
     return np.array(layer.weight.astype(mx.float32))
 
 
-def check_architecture(model_type: str) -> str:
+def mlx_module(model_type: str) -> str:
     """The mlx-lm module for `model_type`; UnsupportedArchitecture in one line if none."""
     if model_type not in ARCHITECTURES:
         raise UnsupportedArchitecture(
@@ -211,7 +201,7 @@ def build_mlx_model(config):
     import importlib
 
     _mlx()
-    module = importlib.import_module(f"mlx_lm.models.{check_architecture(config.model_type)}")
+    module = importlib.import_module(f"mlx_lm.models.{mlx_module(config.model_type)}")
     net = module.Model(module.ModelArgs.from_dict(mlx_args(config)))
     if getattr(config, "tie_word_embeddings", False) and "lm_head" in net:
         # What mlx-lm's `sanitize` does when a checkpoint has no lm_head.
@@ -350,44 +340,116 @@ def _layer_cache_class():
     from mlx_lm.models.cache import BatchKVCache
 
     class _LayerCache(BatchKVCache):
-        """mlx-lm's preallocated batch cache; mask and RoPE offsets from the session."""
+        """mlx-lm's preallocated batch cache; mask and RoPE offsets from the backend."""
 
-        def __init__(self, session: _MlxSession):
-            super().__init__([0] * session.batch)
-            self.session = session
+        def __init__(self, owner: MlxCache):
+            super().__init__([0] * owner.batch)
+            self.owner = owner
 
         def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
-            return self.session.mask(window_size, return_array)
+            return self.owner.mask(window_size, return_array)
+
+        def hold(self, keys, values) -> None:
+            """These arrays as the whole cache (mlx-lm grows them from here)."""
+            self.keys, self.values, self._idx = keys, values, keys.shape[2]
 
     return _LayerCache
 
 
-class _MlxSession:
-    def __init__(self, engine: MlxEngine, batch: int):
-        self.mx, _ = _mlx()
-        self.engine, self.batch = engine, batch
-        self.layout = Layout(batch, torch.device("cpu"))
-        cls = _layer_cache_class()
-        self.cache = [cls(self) for _ in range(engine.model.layers)]
-        self._masks: dict = {}
-        self._width = 0
-        self._block_mask: torch.Tensor | None = None
+class MlxCache:
+    """`backend.Cache` over one mlx-lm batch cache per layer.
 
-    def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+    mlx-lm's caches hold one sequence, or a batch that is only ever
+    left-padded; here the mask and per-row RoPE offsets come from the
+    session's `Layout` (set by `MlxBackend.forward` for each step)."""
+
+    def __init__(self, layers: int, batch: int):
+        self.mx, _ = _mlx()
+        self.batch = batch
+        cls = _layer_cache_class()
+        self.layers = [cls(self) for _ in range(layers)]
+        self._masks: dict = {}
+        self._block = None  # this step's Block
+        self._layout = None
+
+    @property
+    def empty(self) -> bool:
+        return self.layers[0].keys is None
+
+    def _new(self, batch: int) -> MlxCache:
+        return MlxCache(len(self.layers), batch)
+
+    def _settle(self) -> None:
+        # MLX is lazy: a cut evaluated now stands on its own (a prefix kept
+        # for a group's later rows holds none of the prefill batch's arrays).
+        self.mx.eval(*[a for c in self.layers if c.keys is not None for a in (c.keys, c.values)])
+
+    def rows(self, index: np.ndarray, drop: int) -> MlxCache:
+        out, at = self._new(len(index)), self.mx.array(index)
+        for mine, copy in zip(self.layers, out.layers, strict=True):
+            k, v = mine.keys_and_values()
+            copy.hold(k[at, :, drop:], v[at, :, drop:])
+        out._settle()
+        return out
+
+    def select(self, index: np.ndarray, drop: int) -> None:
+        at = self.mx.array(index)
+        for c in self.layers:
+            k, v = c.keys_and_values()
+            c.hold(k[at, :, drop:], v[at, :, drop:])
+        self.batch = len(index)
+
+    def write(self, slots: np.ndarray, other: MlxCache, start: int) -> None:
+        # Into the preallocated storage (whose `_idx` is this cache's width);
+        # evaluated with the next step.
+        at = self.mx.array(slots)
+        for mine, new in zip(self.layers, other.layers, strict=True):
+            k, v = new.keys_and_values()
+            end = start + k.shape[2]
+            mine.keys[at, :, start:end] = k
+            mine.values[at, :, start:end] = v
+
+    def append(self, rows: np.ndarray, other: MlxCache, width: int) -> None:
+        mx, at = self.mx, self.mx.array(rows)
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
+            new_k = mx.zeros((self.batch, k2.shape[1], width, k2.shape[3]), dtype=k2.dtype)
+            new_v = mx.zeros((self.batch, v2.shape[1], width, v2.shape[3]), dtype=v2.dtype)
+            new_k[at] = k2[:, :, -width:]
+            new_v[at] = v2[:, :, -width:]
+            mine.hold(mx.concatenate([k, new_k], axis=2), mx.concatenate([v, new_v], axis=2))
+        self._settle()
+
+    def join(self, other: MlxCache, pad_self: int, pad_other: int) -> None:
         mx = self.mx
-        ids, positions, mask = self.layout.block(chunks, self.engine.pad_id)
-        self._width, self._block_mask, self._masks = ids.shape[1], mask, {}
+
+        def left(a, columns: int):
+            return mx.pad(a, [(0, 0), (0, 0), (columns, 0), (0, 0)]) if columns else a
+
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
+            mine.hold(
+                mx.concatenate([left(k, pad_self), left(k2, pad_other)]),
+                mx.concatenate([left(v, pad_self), left(v2, pad_other)]),
+            )
+        self.batch += other.batch
+
+    def gather(self, index: np.ndarray) -> None:
+        at = self.mx.array(index)[:, None, :, None]
+        for c in self.layers:
+            k, v = c.keys_and_values()
+            c.hold(self.mx.take_along_axis(k, at, axis=2), self.mx.take_along_axis(v, at, axis=2))
+
+    def begin(self, block, layout) -> None:
+        """This step's block: masks are made from it on demand, once per kind."""
+        self._block, self._layout, self._masks = block, layout, {}
+        width = block.ids.shape[1]
         # RoPE rotates column j of row b by offset_b + j: the position of the
         # row's last (always real) column, counted back. Pad columns get
         # positions below the row's own; they are masked out of every query.
-        offset = mx.array((positions[:, -1] - (self._width - 1)).numpy())
-        for c in self.cache:
+        offset = self.mx.array(block.positions[:, -1] - (width - 1))
+        for c in self.layers:
             c.offset = offset
-        logits = self.engine.model.last_logits(mx.array(ids.numpy()), self.cache)
-        # MLX is lazy: evaluating the cache with the logits keeps each step's
-        # graph from growing into the next one.
-        mx.eval(logits, *[a for c in self.cache for a in (c.keys, c.values)])
-        return torch.from_numpy(np.array(logits.astype(mx.float32)))
 
     def mask(self, window: int | None, return_array: bool):
         """This step's attention mask for every layer of one kind (full or windowed)."""
@@ -399,116 +461,45 @@ class _MlxSession:
     def _make_mask(self, window: int | None, return_array: bool):
         from mlx_lm.models.cache import create_attention_mask
 
-        width, keys = self._width, self.layout.real.shape[1]
-        if self._block_mask is None:
+        width, keys = self._block.ids.shape[1], self._layout.width
+        allowed = self._block.allowed
+        if allowed is None:
             # No row was ever padded: every row's positions are its columns.
             return create_attention_mask(width, keys - width, return_array, window)
-        allowed = self._block_mask
         if window is not None:
-            # Real-token positions: a window counts tokens, not cache columns.
-            kpos = self.layout.real.long().cumsum(dim=1)
-            near = kpos[:, -width:, None] - kpos[:, None, :] < window
-            allowed = allowed & near[:, None]
-        return self.mx.array(allowed.numpy())
-
-    def keep(self, rows: list[int]) -> None:
-        index = self.mx.array(self.layout.keep(rows).numpy())
-        drop = self.layout.trim()
-        for c in self.cache:
-            k, v = c.keys_and_values()
-            c.keys, c.values = k[index, :, drop:], v[index, :, drop:]
-            c._idx = c.keys.shape[2]
-        self.batch = len(rows)
-
-    def take(self, rows: list[int]) -> _MlxSession:
-        """A new session holding copies of these rows (`Reusing`)."""
-        out = self.engine._session(len(rows))
-        out.layout = self.layout.take(rows)
-        drop = out.layout.trim()
-        index = self.mx.array(rows)
-        for mine, copy in zip(self.cache, out.cache, strict=True):
-            if mine.keys is None:  # never stepped: nothing cached
-                continue
-            k, v = mine.keys_and_values()
-            copy.keys, copy.values = k[index, :, drop:], v[index, :, drop:]
-            copy._idx = copy.keys.shape[2]
-        # Evaluated now: the copy stands on its own (a prefix kept for a
-        # group's later rows holds none of the prefill batch's arrays).
-        self.mx.eval(*[a for c in out.cache if c.keys is not None for a in (c.keys, c.values)])
-        return out
-
-    def place(self, slots: list[int], other: _MlxSession) -> bool:
-        """`other`'s rows into these rows (ended episodes'), in place (`Reusing`);
-        False, nothing done, when `other` holds more columns."""
-        width, theirs = self.layout.real.shape[1], other.layout.real.shape[1]
-        if theirs > width:
-            return False
-        self.layout.place(slots, other.layout)
-        if not theirs:  # rows that have not run yet (no prefill): nothing cached
-            return True
-        index = self.mx.array(slots)
-        # Written into the preallocated storage at this session's last
-        # `theirs` columns (`_idx` == width); the ended rows' older columns
-        # stay, masked out of every query. Evaluated with the next step.
-        for mine, new in zip(self.cache, other.cache, strict=True):
-            k, v = new.keys_and_values()
-            mine.keys[index, :, width - theirs : width] = k
-            mine.values[index, :, width - theirs : width] = v
-        return True
-
-    def feed(self, rows: list[int], chunks: Sequence[Sequence[int]]) -> None:
-        """`Feeding`: the rows' chunks run on a copy of those rows alone, and
-        the columns they make are appended to every row, real for these rows
-        and pad for the rest (masked out of every query)."""
-        mx = self.mx
-        part = self.take(rows)
-        part.step(chunks)
-        width = max(len(c) for c in chunks)
-        self.layout.append(rows, part.layout, width)
-        index = mx.array(rows)
-        for mine, theirs in zip(self.cache, part.cache, strict=True):
-            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
-            new_k = mx.zeros((self.batch, k2.shape[1], width, k2.shape[3]), dtype=k2.dtype)
-            new_v = mx.zeros((self.batch, v2.shape[1], width, v2.shape[3]), dtype=v2.dtype)
-            new_k[index] = k2[:, :, -width:]
-            new_v[index] = v2[:, :, -width:]
-            mine.keys = mx.concatenate([k, new_k], axis=2)
-            mine.values = mx.concatenate([v, new_v], axis=2)
-            mine._idx = mine.keys.shape[2]
-        mx.eval(*[a for c in self.cache for a in (c.keys, c.values)])
-
-    def extend(self, other: _MlxSession) -> None:
-        pad_a, pad_b = self.layout.extend(other.layout)
-        mx = self.mx
-
-        def left(a, columns: int):
-            return mx.pad(a, [(0, 0), (0, 0), (columns, 0), (0, 0)]) if columns else a
-
-        for mine, theirs in zip(self.cache, other.cache, strict=True):
-            (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
-            mine.keys = mx.concatenate([left(k, pad_a), left(k2, pad_b)])
-            mine.values = mx.concatenate([left(v, pad_a), left(v2, pad_b)])
-            mine._idx = mine.keys.shape[2]
-        self.batch += other.batch
+            allowed = self._layout.windowed(allowed, window)
+        return self.mx.array(allowed)
 
 
-class MlxEngine(Engine):
-    """Runs an `MlxModel` over batches of multi-turn episodes (sampling on CPU)."""
+class MlxBackend:
+    """`backend.Backend` over an `MlxModel` (sampling stays on the CPU, in torch)."""
 
     name = "mlx"
 
-    def __init__(self, model: MlxModel, tokenizer, version: int = 0):
-        self._bind(model, tokenizer, version)
-        self.device = torch.device("cpu")  # where the sampled ids live
+    def __init__(self, model: MlxModel):
+        self.model = model
 
     @classmethod
-    def from_state(cls, skeleton, tokenizer, state, precision: str, version: int = 0):
-        """An engine over `state` (int8 codes or float) named as `skeleton`'s tensors."""
+    def from_state(cls, skeleton, state, precision: str) -> MlxBackend:
+        """A backend over `state` (int8 codes or float) named as `skeleton`'s tensors."""
         from colonnade.model import tied_aliases
 
         model = MlxModel(skeleton.config, tied_aliases(skeleton), precision)
         model.load(state)
-        return cls(model, tokenizer, version=version)
+        return cls(model)
 
-    def _session(self, batch: int) -> _MlxSession:
-        return _MlxSession(self, batch)
+    def new_cache(self, batch: int) -> MlxCache:
+        return MlxCache(self.model.layers, batch)
+
+    def forward(self, cache: MlxCache, block, layout) -> torch.Tensor:
+        mx = cache.mx
+        cache.begin(block, layout)
+        logits = self.model.last_logits(mx.array(block.ids), cache.layers)
+        # MLX is lazy: evaluating the cache with the logits keeps each step's
+        # graph from growing into the next one.
+        mx.eval(logits, *[a for c in cache.layers for a in (c.keys, c.values)])
+        return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    def refresh(self, state, changed=None) -> None:
+        # MlxModel.load rebuilds only the tensors that are new objects.
+        self.model.load(state)

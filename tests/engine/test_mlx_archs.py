@@ -1,4 +1,4 @@
-"""Both engines on every architecture of issue 23, on the same published codes.
+"""Both backends on every architecture they run, on the same published codes.
 
 For each tiny model (tests/mlx_archs.py): what the MLX engine records is a
 teacher-forced MLX pass over the same tokens (multi-turn, rows of different
@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from colonnade.bench.engines import PROMPTS, gaps, replies
+from colonnade.engine import Engine, SamplingParams, engine_for, layout
+from colonnade.engine.session import Session
+from colonnade.engine.torch_backend import TorchBackend, layer_windows
 from colonnade.model import load_int8, tied_aliases
-from colonnade.rollout import Engine, SamplingParams
 from mlx_archs import ARCHS, arch_model, arch_tokenizer
 
 # MLX computes a row the same way alone or in a batch, cached or not:
@@ -30,13 +32,11 @@ MAX_GAP = {"qwen3_moe": 1.0}
 def _engines(arch: str):
     import copy
 
-    from colonnade.rollout.mlx_engine import MlxEngine
-
     model, state = arch_model(arch)
     tok = arch_tokenizer()
-    mlx = MlxEngine.from_state(model, tok, state, "int8")
-    torch_int8 = load_int8(copy.deepcopy(model), state, tied_aliases(model))
-    return mlx, Engine(torch_int8, tok)
+    cpu = torch.device("cpu")
+    mlx = engine_for(model, tok, state, "int8", cpu, "mlx")
+    return mlx, engine_for(copy.deepcopy(model), tok, state, "int8", cpu, "torch")
 
 
 def _prompts(tok, group: int = 1):
@@ -46,7 +46,7 @@ def _prompts(tok, group: int = 1):
 def _self_gap(mlx, episodes) -> torch.Tensor:
     out = []
     for ep in episodes:
-        ref = mlx.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
+        ref = mlx.backend.model.sequence_logprobs(ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
         mine = torch.tensor(ep.from_model)
         got = torch.tensor(ep.logprobs)
         assert (got[~mine] == 0).all()  # env tokens: no log-prob
@@ -64,7 +64,7 @@ def test_mlx_records_a_teacher_forced_mlx_pass_and_stays_near_torch(mlx_ready, a
     eps = mlx.generate(_prompts(tok), [replies(3) for _ in range(4)], params, seed=1)
     assert all(ep.finish == "done" and len(ep.turns) == 3 and not all(ep.from_model) for ep in eps)
     assert _self_gap(mlx, eps).max() < SELF_TOL
-    cross = gaps(eps, torch_engine.model)
+    cross = gaps(eps, torch_engine.backend.model)
     assert cross.mean() < MEAN_GAP and cross.max() < MAX_GAP.get(arch, 0.25), cross
 
 
@@ -86,10 +86,11 @@ def test_torch_engine_runs_the_architecture(arch):
     import copy
 
     model, state = arch_model(arch)
-    engine = Engine(load_int8(copy.deepcopy(model), state, tied_aliases(model)), arch_tokenizer())
+    model = load_int8(copy.deepcopy(model), state, tied_aliases(model))
+    engine = Engine(TorchBackend(model, "int8"), arch_tokenizer())
     params = SamplingParams(max_turn_tokens=10, max_episode_tokens=80, ignore_eos=True)
     eps = engine.generate(_prompts(engine.tokenizer)[:1], [replies(3)], params, seed=3)
-    assert eps[0].finish == "done" and gaps(eps, engine.model).max() < 0.05
+    assert eps[0].finish == "done" and gaps(eps, engine.backend.model).max() < 0.05
 
 
 # The torch engine against its own teacher-forced pass: float32 computes a
@@ -105,7 +106,7 @@ def _torch_engine(arch: str, precision: str):
     model, state = arch_model(arch)
     if precision == "int8":
         model = load_int8(copy.deepcopy(model), state, tied_aliases(model))
-    return Engine(model, arch_tokenizer()), TORCH_TOL[precision]
+    return Engine(TorchBackend(model, precision), arch_tokenizer()), TORCH_TOL[precision]
 
 
 def _uneven_replies(row: int, n_turns: int):
@@ -130,7 +131,7 @@ def test_torch_engine_gemma3_with_padded_rows_matches_teacher_forcing(precision)
     params = SamplingParams(max_turn_tokens=40, max_episode_tokens=160, ignore_eos=True)
     eps = engine.generate(_prompts(engine.tokenizer), [replies(1) for _ in range(4)], params)
     assert len({len(ep.prompt_ids) for ep in eps}) > 1 and min(len(ep.tokens) for ep in eps) > 24
-    assert gaps(eps, engine.model).max() < tol
+    assert gaps(eps, engine.backend.model).max() < tol
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -145,7 +146,7 @@ def test_torch_engine_tool_replies_of_different_lengths_match_teacher_forcing(ar
     assert all(ep.finish == "done" and len(ep.turns) == 3 for ep in eps)
     assert len({ep.from_model.count(False) for ep in eps}) == 4  # replies of 4 lengths
     assert min(len(ep.tokens) for ep in eps) > 24
-    assert gaps(eps, engine.model).max() < tol
+    assert gaps(eps, engine.backend.model).max() < tol
 
 
 @pytest.mark.parametrize("compact_min", [32, 0])
@@ -155,23 +156,19 @@ def test_torch_engine_groups_share_a_prefill_and_refill_the_batch(arch, compact_
     # join and cut as rows leave), sliding-window layers included; with
     # compact_min 0 the cache drops its pad columns whenever they are a
     # quarter of it (windows count real columns, which keep their order).
-    from colonnade.rollout import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
+    monkeypatch.setattr(layout, "COMPACT_MIN", compact_min)
     engine, tol = _torch_engine(arch, "fp32")
     prompts = _prompts(engine.tokenizer, group=2)
     params = SamplingParams(max_turn_tokens=8, max_episode_tokens=120, ignore_eos=True)
     responders = [_uneven_replies(i % 4, 1 + i % 3) for i in range(len(prompts))]
-    # Rows out of phase: replies are fed to their own rows (Feeding.feed) while
+    # Rows out of phase: replies are fed to their own rows (Session.feed) while
     # the others decode, and the appended pad columns stay out of every window.
     fed = []
-    feed = engine_module._TorchSession.feed
-    monkeypatch.setattr(
-        engine_module._TorchSession, "feed", lambda s, rows, c: fed.append(rows) or feed(s, rows, c)
-    )
+    feed = Session.feed
+    monkeypatch.setattr(Session, "feed", lambda s, rows, c: fed.append(rows) or feed(s, rows, c))
     eps = engine.generate(prompts, responders, params, seed=5, max_rows=3)
     assert fed and max(len(ep.tokens) for ep in eps) > 24
-    assert gaps(eps, engine.model).max() < tol
+    assert gaps(eps, engine.backend.model).max() < tol
 
 
 @pytest.mark.parametrize("compact_min", [32, 0])
@@ -180,10 +177,7 @@ def test_torch_engine_windows_a_single_mask_model(compact_min, monkeypatch):
     # when `sliding_window` is set: the engine windows it in real tokens.
     import transformers as tf
 
-    from colonnade.rollout import engine as engine_module
-    from colonnade.rollout.engine import layer_windows
-
-    monkeypatch.setattr(engine_module, "_COMPACT_MIN", compact_min)
+    monkeypatch.setattr(layout, "COMPACT_MIN", compact_min)
 
     tok = arch_tokenizer()
     config = tf.MistralConfig(
@@ -200,7 +194,7 @@ def test_torch_engine_windows_a_single_mask_model(compact_min, monkeypatch):
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     assert layer_windows(model.config) == {None: 16}
-    engine = Engine(model, tok)
+    engine = Engine(TorchBackend(model), tok)
     params = SamplingParams(max_turn_tokens=8, max_episode_tokens=120, ignore_eos=True)
     responders = [_uneven_replies(i, 3) for i in range(4)]
     eps = engine.generate(_prompts(tok), responders, params, seed=6, max_rows=3)
@@ -209,8 +203,6 @@ def test_torch_engine_windows_a_single_mask_model(compact_min, monkeypatch):
 
 
 def test_layer_windows_by_architecture():
-    from colonnade.rollout.engine import layer_windows
-
     windows = {arch: layer_windows(arch_model(arch)[0].config) for arch in ARCHS}
     assert windows["gemma3_text"] == {"sliding_attention": 24, "full_attention": None}
     assert windows["qwen3"] == {"full_attention": None}

@@ -3,8 +3,7 @@
 import pytest
 
 from colonnade.cli.main import main
-from colonnade.rollout import loader
-from colonnade.rollout.mlx_engine import MlxUnavailable
+from colonnade.engine import BackendUnavailable, loader
 
 MISSING = "the MLX engine needs the mlx package (No module named 'mlx')"
 
@@ -26,7 +25,7 @@ def test_without_mlx_auto_falls_back_and_mlx_is_refused(monkeypatch, caplog):
     monkeypatch.setattr(loader, "apple_silicon", lambda: True)
     assert loader.resolve_engine("auto") == "torch"
     assert "using the torch engine" in caplog.text
-    with pytest.raises(MlxUnavailable, match="needs the mlx package"):
+    with pytest.raises(BackendUnavailable, match="needs the mlx package"):
         loader.resolve_engine("mlx")
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from colonnade.rollout import SamplingParams, filtered_logprobs, sample
+from colonnade.engine import SamplingParams, filtered_logprobs, sample
 
 
 def _lp(logits, **kw):

@@ -17,7 +17,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def test_layout_dequantizes_to_the_codes_times_scale_bit_for_bit(mlx_ready):
-    from colonnade.rollout.mlx_engine import dequantized, int8_layout, quantized_linear
+    from colonnade.engine.mlx_backend import dequantized, int8_layout, quantized_linear
 
     gen = torch.Generator().manual_seed(0)
     for in_features in (32, 96, 192, 512):
@@ -28,7 +28,7 @@ def test_layout_dequantizes_to_the_codes_times_scale_bit_for_bit(mlx_ready):
 
 
 def test_widths_no_group_divides_run_dequantized(mlx_ready):
-    from colonnade.rollout.mlx_engine import int8_layout
+    from colonnade.engine.mlx_backend import int8_layout
 
     codes, scale = quantize_rows(torch.randn(8, 40))
     assert int8_layout(codes, scale) is None
@@ -41,7 +41,7 @@ def test_every_weight_is_bit_identical_to_the_torch_engine(mlx_ready, arch):
     # bf16): the same float32 values the torch engine copies in.
     from mlx.utils import tree_flatten
 
-    from colonnade.rollout.mlx_engine import MlxModel, dequantized
+    from colonnade.engine.mlx_backend import MlxModel, dequantized
 
     model, state = arch_model(arch)
     mm = MlxModel(model.config, tied_aliases(model), "int8")
@@ -81,7 +81,7 @@ def _copy(model):
 def test_float_forward_matches_transformers(mlx_ready, arch):
     # mlx-lm built from the transformers config (rotary settings, Gemma 3's
     # layer pattern and window, fused MoE experts) computes the same model.
-    from colonnade.rollout.mlx_engine import MlxModel
+    from colonnade.engine.mlx_backend import MlxModel
 
     model, _ = arch_model(arch)
     tok = arch_tokenizer()
@@ -95,7 +95,7 @@ def test_float_forward_matches_transformers(mlx_ready, arch):
 
 @pytest.fixture(scope="module")
 def llama_int8(mlx_ready, tiny):
-    from colonnade.rollout.mlx_engine import MlxModel
+    from colonnade.engine.mlx_backend import MlxModel
 
     model, _ = tiny
     state = int8_state(model)
@@ -117,7 +117,7 @@ def test_int8_forward_is_close_to_the_torch_int8_engine(llama_int8, tiny_dir):
 
 
 def test_loading_a_patched_state_rebuilds_only_what_changed_in_place(llama_int8):
-    from colonnade.rollout.mlx_engine import dequantized
+    from colonnade.engine.mlx_backend import dequantized
 
     mm, state = llama_int8
     name = "model.layers.0.mlp.up_proj"
@@ -136,7 +136,7 @@ def test_loading_a_patched_state_rebuilds_only_what_changed_in_place(llama_int8)
 def test_unsupported_architecture_is_refused_in_one_line(mlx_ready):
     from transformers import GPT2Config
 
-    from colonnade.rollout.mlx_engine import MlxModel, UnsupportedArchitecture
+    from colonnade.engine.mlx_backend import MlxModel, UnsupportedArchitecture
 
     with pytest.raises(UnsupportedArchitecture, match=r"'gpt2'.*use --engine torch") as e:
         MlxModel(GPT2Config(n_layer=1), {}, "int8")
@@ -147,10 +147,10 @@ def test_an_mlx_model_following_an_in_place_follower_equals_one_built_fresh(mlx_
     # Workers' followers rebuild each version inside the state the MLX model
     # loaded from; it must see every tensor a patch rewrote (new objects over
     # the same memory) and hold copies of its own (mx.array copies).
+    from colonnade.engine.mlx_backend import MlxModel, dequantized
     from colonnade.model.int8 import publishable_state
     from colonnade.protocol import Follower
     from colonnade.protocol.weights import Publisher
-    from colonnade.rollout.mlx_engine import MlxModel, dequantized
     from colonnade.store import LocalStore
 
     model, _ = arch_model(ARCHS[0])

@@ -1,0 +1,260 @@
+"""The episode loop every backend shares: turns, stops, refill, tool replies, records.
+
+Each step feeds every live episode one chunk: its last sampled token, or
+that token followed by the environment's reply when a turn has just ended
+(the prompt is the first chunk). An episode extends its own KV prefix and is
+never recomputed, and the episodes of a batch end independently (finished
+rows leave the cache, waiting rows take their places). The forward pass and
+its cache are the backend's (`backend.py`); the cuts on a running batch are
+the session's (`session.py`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from colonnade.protocol.turns import StopMatcher
+
+from .backend import Backend
+from .sampling import SamplingParams, sample
+from .session import Session
+
+# turn text (up to its stop string) -> environment text to append, or None to end
+Responder = Callable[[str], "str | None"]
+
+
+@dataclass
+class Episode:
+    """Everything the trainer needs of one episode, token by token."""
+
+    prompt_ids: list[int]
+    version: int
+    tokens: list[int] = field(default_factory=list)  # after the prompt
+    from_model: list[bool] = field(default_factory=list)  # env tokens never enter the loss
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob; 0.0 on env tokens
+    turns: list[str] = field(default_factory=list)  # each model turn's text
+    finish: str = ""  # "done" (env ended it), "eos", "length"
+
+    def add(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None):
+        self.tokens.extend(ids)
+        self.from_model.extend([model] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+@dataclass
+class _Row:
+    episode: Episode
+    respond: Responder
+    pending: list[int]
+    turn: list[int] = field(default_factory=list)
+
+
+# A step whose longest chunk (a tool reply) is at least this long, beside rows
+# fed one token, feeds the long chunks to their own rows first: padded into
+# the step, every other row would run that many pad tokens through the model.
+SPLIT_MIN = 8
+
+
+def _split_replies(session: Session, live: list[_Row]) -> None:
+    """Feed the rows whose pending chunk is long (a tool reply) all but its
+    last token on their own, so the step that follows is one token a row."""
+    long = [i for i, r in enumerate(live) if len(r.pending) > 1]
+    if not long or len(long) == len(live):
+        return
+    if max(len(live[i].pending) for i in long) < SPLIT_MIN:
+        return
+    session.feed(long, [live[i].pending[:-1] for i in long])
+    for i in long:
+        live[i].pending = live[i].pending[-1:]
+
+
+def _admitted(waiting: deque, rows: list[_Row], busy: int, max_rows: int) -> list[_Row]:
+    """The rows that start now: waiting units taken in order while there is
+    room (a unit may start in part: what is left of it stays first in line)."""
+    admit: list[_Row] = []
+    while waiting and (not max_rows or busy + len(admit) < max_rows):
+        unit = waiting[0]
+        take = len(unit) if not max_rows else max_rows - busy - len(admit)
+        admit.extend(rows[i] for i in unit[:take])
+        if take >= len(unit):
+            waiting.popleft()
+        else:
+            waiting[0] = unit[take:]
+    return admit
+
+
+def units(prompts: Sequence[Sequence[int]], max_rows: int) -> list[list[int]]:
+    """Row indices in admission units: runs of one prompt (a group), at most `max_rows` each."""
+    out: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        unit = out[-1] if out else None
+        if unit and prompts[unit[0]] == p and (not max_rows or len(unit) < max_rows):
+            unit.append(i)
+        else:
+            out.append([i])
+    return out
+
+
+class Engine:
+    """Runs a backend over batches of multi-turn episodes.
+
+    `version` is the published version the backend holds (recorded in every
+    episode); `name` is the backend's, which a rollout batch records.
+    """
+
+    def __init__(self, backend: Backend, tokenizer, version: int = 0):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.version = version
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_ids = {tokenizer.eos_token_id} - {None}
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def _session(self, batch: int) -> Session:
+        return Session(self.backend, batch, self.pad_id)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responders: Sequence[Responder],
+        params: SamplingParams,
+        seed: int = 0,
+        max_rows: int = 0,
+        share_prefix: bool = True,
+        split_replies: bool = True,
+    ) -> list[Episode]:
+        """One episode per prompt; `responders[i]` answers episode i's turns.
+
+        With `share_prefix`, the rows of one prompt (a group) are prefilled
+        once and the cache copied to each. With `split_replies`, a tool reply
+        is fed to its own row before the step (where the session can), not
+        padded into a step that runs every other row as wide. With
+        `max_rows`, at most that many episodes run at once and, as episodes
+        end, waiting rows take the free places in the running batch, in
+        order, a group's rows admitted together sharing one prefill
+        (continuous batching), instead of the batch shrinking to its slowest
+        row. Both need prompts of 2 tokens or more (the last token is fed
+        with the running batch); otherwise all rows run at once.
+        """
+        if len(prompts) != len(responders):
+            raise ValueError("one responder per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if max_rows < 0:
+            raise ValueError("max_rows must be >= 0")
+        gen = torch.Generator().manual_seed(seed)
+        stops = StopMatcher(self.tokenizer, params.stop)
+        rows = [
+            _Row(Episode(list(p), self.version), r, list(p))
+            for p, r in zip(prompts, responders, strict=True)
+        ]
+        share = share_prefix and all(len(p) >= 2 for p in prompts)
+        waiting = deque(units(prompts, max_rows) if share else [list(range(len(rows)))])
+        # The session's rows; None where an episode ended and no row has
+        # taken its place yet (dropped before the next step).
+        live: list[_Row | None] = []
+        session: Session | None = None
+        prefixes: dict[tuple[int, ...], Session] = {}  # prompts of groups still waiting
+        while waiting or live:
+            # Fill the free rows from the waiting units, in order (a unit
+            # may start in part: its rows still share one prefill), all
+            # admitted rows prefilled together.
+            free = [i for i, r in enumerate(live) if r is None]
+            admit = _admitted(waiting, rows, len(live) - len(free), max_rows)
+            if admit:
+                part = self._prefilled(admit, prefixes) if share else self._session(len(admit))
+                if share:
+                    wanted = {tuple(rows[u[0]].pending) for u in waiting}
+                    prefixes = {p: s for p, s in prefixes.items() if p in wanted}
+                if session is None:
+                    session, live = part, list(admit)
+                elif len(admit) <= len(free) and session.place(free[: len(admit)], part):
+                    # Ended rows' places taken in place: no copy of the cache.
+                    for slot, row in zip(free, admit, strict=False):
+                        live[slot] = row
+                else:
+                    self._drop_ended(session, live)
+                    session.extend(part)
+                    live.extend(admit)
+            if None in live:
+                self._drop_ended(session, live)
+            if split_replies:
+                _split_replies(session, live)
+            tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
+            for i, row in enumerate(live):
+                if not self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops):
+                    live[i] = None
+            if all(r is None for r in live):
+                live, session = [], None
+        return [r.episode for r in rows]
+
+    @staticmethod
+    def _drop_ended(session: Session, live: list[_Row | None]) -> None:
+        going = [i for i, r in enumerate(live) if r is not None]
+        if len(going) < len(live):
+            session.keep(going)
+            live[:] = [live[i] for i in going]
+
+    def _prefilled(self, unit: list[_Row], prefixes: dict[tuple[int, ...], Session]) -> Session:
+        """A session holding each row's prompt but its last token, one prefill per
+        distinct prompt; each row's pending chunk becomes that last token.
+
+        A group admitted in parts (rows free up one by one) is prefilled once:
+        a prompt's prefilled row is kept in `prefixes`, and later parts copy it.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(r.pending), len(distinct)) for r in unit]
+        for r in unit:
+            r.pending = r.pending[-1:]
+        missing = [p for p in distinct if p not in prefixes]
+        if missing:
+            made = self._session(len(missing))
+            made.step([list(p[:-1]) for p in missing])
+            for j, p in enumerate(missing):
+                prefixes[p] = made.take([j])
+        bank = [prefixes[p] for p in distinct]
+        if len(bank) == 1:
+            return bank[0].take(index)
+        joined = bank[0].take([0])
+        for other in bank[1:]:
+            joined.extend(other)
+        return joined.take(index)
+
+    def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:
+        """Record a sampled token; False when the episode is over."""
+        ep = row.episode
+        ep.add([token], True, [logprob])
+        row.turn.append(token)
+        if token in self.eos_ids and not params.ignore_eos:
+            ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+            ep.finish = "eos"
+            return False
+        turn_over = stops.hit(row.turn) or len(row.turn) >= params.max_turn_tokens
+        if not turn_over:
+            if len(ep.tokens) >= params.max_episode_tokens:
+                ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+                ep.finish = "length"
+                return False
+            row.pending = [token]
+            return True
+        text = stops.cut(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+        ep.turns.append(text)
+        reply = row.respond(text)
+        if reply is None:
+            ep.finish = "done"
+            return False
+        env_ids = self.tokenizer.encode(reply, add_special_tokens=False)
+        if len(ep.tokens) + len(env_ids) >= params.max_episode_tokens:
+            ep.finish = "length"
+            return False
+        ep.add(env_ids, False)
+        row.pending, row.turn = [token, *env_ids], []
+        return True
