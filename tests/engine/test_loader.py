@@ -112,3 +112,9 @@ def test_a_worker_refuses_the_architecture_before_any_weights(
     assert main(["worker", "--store", str(tmp_path), "--engine", "mlx"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'llama'" in err[0] and "torch" in err[0]
+
+
+def test_the_backends_are_the_engines_a_batch_may_name():
+    from colonnade.choices import ENGINES
+
+    assert tuple(loader.BACKENDS) == ENGINES

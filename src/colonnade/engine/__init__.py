@@ -21,13 +21,12 @@ backend suite in `tests/engine/test_backends.py`.
 """
 
 from .backend import Backend, BackendUnavailable, Cache, UnsupportedArchitecture
-from .loader import ENGINES, PRECISIONS, engine_for, load_engine, refresh, resolve_engine
+from .loader import BACKENDS, engine_for, load_engine, refresh, resolve_engine
 from .loop import Engine, Episode, Responder
 from .sampling import SamplingParams, filtered_logprobs, sample
 
 __all__ = [
-    "ENGINES",
-    "PRECISIONS",
+    "BACKENDS",
     "Backend",
     "BackendUnavailable",
     "Cache",

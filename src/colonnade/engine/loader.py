@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from colonnade import pulse
+from colonnade.choices import ENGINE_CHOICES, RUN_PRECISIONS
 from colonnade.model import (
     load_dequantized,
     load_int8,
@@ -38,8 +39,6 @@ from colonnade.model import (
 from .backend import Backend, BackendUnavailable, UnsupportedArchitecture
 from .loop import Engine
 from .mlx_backend import ARCHITECTURES, mlx_missing
-
-PRECISIONS = ("int8", "fp32", "bf16")
 
 log = logging.getLogger("colonnade.engine")
 
@@ -86,7 +85,6 @@ BACKENDS: dict[str, BackendSpec] = {
         lambda t: t in ARCHITECTURES, lambda: mlx_missing(), _build_mlx, host_only=True
     ),
 }
-ENGINES = ("auto", *BACKENDS)
 
 
 def apple_silicon() -> bool:
@@ -118,8 +116,8 @@ def resolve_engine(name: str, model_type: str | None = None) -> str:
     run it is UnsupportedArchitecture: call this with the run's config before
     any weights are fetched.
     """
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    if name not in ENGINE_CHOICES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     kind = _resolve(name, model_type)
     if model_type is not None:
         check_architecture(kind, model_type)
@@ -182,8 +180,10 @@ def load_engine(
     `int8` and `bf16` run what a trainer would publish from these weights
     (`pulse.prepare`, the one quantizer); `fp32` runs them as they are.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision not in RUN_PRECISIONS:
+        raise ValueError(
+            f"unknown precision {precision!r}; choose one of {', '.join(RUN_PRECISIONS)}"
+        )
     from transformers import AutoConfig
 
     from .torch_backend import TorchBackend

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from colonnade.choices import RUN_PRECISIONS
 from colonnade.model.int8 import float_value, lookup
 from colonnade.pulse.quant import SCALE_SUFFIX
 
@@ -55,7 +56,6 @@ ARCHITECTURES = {
     "qwen3_moe": "qwen3_moe",
 }
 GROUP_SIZES = (128, 64, 32)
-PRECISIONS = ("int8", "fp32", "bf16")
 
 
 class MlxUnavailable(BackendUnavailable):
@@ -239,8 +239,8 @@ class MlxModel:
     """An mlx-lm model running a published state; weights come from the state by name."""
 
     def __init__(self, config, aliases: Mapping[str, str], precision: str):
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+        if precision not in RUN_PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {RUN_PRECISIONS}")
         mx, nn = _mlx()
         self.config, self.aliases, self.precision = config, dict(aliases), precision
         self.dtype = mx.bfloat16 if precision == "bf16" else mx.float32
