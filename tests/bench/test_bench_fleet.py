@@ -5,14 +5,11 @@ import json
 
 import pytest
 
-from colonnade.bench.fleet import (
-    FleetOptions,
-    cost_model,
-    per_version,
-    run_fleet,
-    summarize,
-)
-from colonnade.bench.fleet_store import Link, Tally, WanStore
+from colonnade.bench.fleet.analysis import per_version, summarize, trained_by_source
+from colonnade.bench.fleet.costs import cost_model
+from colonnade.bench.fleet.options import FleetOptions
+from colonnade.bench.fleet.simulation import run_fleet
+from colonnade.bench.fleet.wan import Link, Tally, WanStore
 from colonnade.cli.main import main
 from colonnade.store import LocalStore
 from colonnade.store.counting import Counting
@@ -56,7 +53,7 @@ def test_a_small_fleet_counts_add_up(tiny_dir, tmp_path):
         s["groups_trained"]
         == 6 * 8
         == sum(r["groups_trained"] for r in rows)
-        + sum(n for v, n in _trained(res).items() if v == 0)
+        + sum(n for v, n in trained_by_source(res.rows).items() if v == 0)
     )
     assert s["groups_uploaded"] >= s["groups_trained"]
     assert s["waste_fraction"] == pytest.approx(1 - 48 / s["groups_uploaded"], abs=1e-4)
@@ -72,12 +69,6 @@ def test_a_small_fleet_counts_add_up(tiny_dir, tmp_path):
 
     cost = cost_model(s, opts)
     assert cost["r2"]["egress"] == 0 and cost["s3"]["total"] > cost["s3"]["egress"] > 0
-
-
-def _trained(res):
-    from colonnade.bench.fleet import trained_by_source
-
-    return trained_by_source(res.rows)
 
 
 def test_a_view_adds_its_round_trip_and_bandwidth(tmp_path):

@@ -14,8 +14,8 @@
 
 Reads happen when the request reaches the store and return after the delay;
 writes become visible after it (the upload has to arrive first). Billing
-classes (R2 class A/B, S3 PUT/GET) are mapped from the verbs in
-`bench.fleet`'s cost model, not here.
+classes (R2 class A/B, S3 PUT/GET) are mapped from the verbs in `costs`, not
+here.
 """
 
 from __future__ import annotations
