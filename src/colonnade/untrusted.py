@@ -9,16 +9,23 @@
   600-byte document nested deeply enough raised RecursionError out of the
   parser (and a shallower one out of whatever walked the result). The depth
   is measured on the raw bytes, in a few vectorised passes, before parsing.
+- `need`, `is_int`, `is_number`: the checks of a parsed value's type and
+  range, one version for the protocol's documents, a patch's header, metric
+  rows and config files. A bool is not a number here (JSON's `true` would
+  pass Python's `isinstance(x, int)`), and a number is finite unless asked.
+
+numpy and zstandard are imported where they are used, so that reading a
+config (which takes the checks from here) stays light.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-
-import numpy as np
-import zstandard
+from typing import Any
 
 MAX_JSON_DEPTH = 32  # protocol documents nest 5 levels at most
+MAX_INT = 1 << 62  # past any count, size or version a document holds honestly
 # One decompression context per thread (contexts are not thread-safe): making
 # one costs more than decompressing a small block, and a patch has hundreds.
 _local = threading.local()
@@ -29,6 +36,8 @@ def decompress(data: bytes, limit: int, require_size: bool = False) -> bytes:
 
     `require_size`: refuse frames that do not declare their size.
     """
+    import zstandard
+
     try:
         declared = zstandard.frame_content_size(data)
         if declared < 0 and require_size:
@@ -51,6 +60,8 @@ def zstd_frame_size(data: bytes) -> int:
     whole frame. zstandard decompresses the first frame and ignores whatever
     follows it, so a reader that wants no trailing bytes compares this with
     the length."""
+    import zstandard
+
     try:
         at = zstandard.frame_header_size(data)
         checksum = zstandard.get_frame_parameters(data).has_checksum
@@ -80,6 +91,8 @@ def json_depth(data: bytes) -> int:
     the quotes left toggle strings. Invalid JSON may be measured wrongly,
     but the parser then fails no deeper than the bytes before its error.
     """
+    import numpy as np
+
     plain = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     a = np.frombuffer(plain, dtype=np.uint8)
     if a.size == 0:
@@ -98,3 +111,25 @@ def check_json(data: bytes, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> 
     depth = json_depth(data)
     if depth > max_depth:
         raise ValueError(f"document nests {depth} levels deep, more than {max_depth}")
+
+
+class SchemaError(ValueError):
+    """A document that does not match its schema (or is too large)."""
+
+
+def need(cond: bool, what: str) -> None:
+    """SchemaError(`what`) unless `cond`."""
+    if not cond:
+        raise SchemaError(what)
+
+
+def is_int(x: Any, lo: float = 0, hi: float = MAX_INT) -> bool:
+    """Whether `x` is an int (a bool is not) from `lo` to `hi`, both included."""
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def is_number(x: Any, finite: bool = True) -> bool:
+    """Whether `x` is an int or a float (a bool is not), finite unless `finite` is False."""
+    return (
+        isinstance(x, int | float) and not isinstance(x, bool) and (not finite or math.isfinite(x))
+    )

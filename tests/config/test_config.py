@@ -3,6 +3,7 @@ checked when built, presets in one place."""
 
 import argparse
 import dataclasses
+import math
 import subprocess
 import sys
 import tomllib
@@ -32,7 +33,9 @@ def test_reading_a_config_imports_neither_torch_nor_transformers():
     code = (
         "import sys, colonnade.config, colonnade.launch.config\n"
         "colonnade.config.load_config(colonnade.config.TrainerConfig)\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'numba') if m in sys.modules))"
+        # numpy too: config takes its value checks from `untrusted`, which must
+        # import numpy only where it measures JSON
+        "print(sorted(m for m in ('torch', 'transformers', 'numba', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -79,6 +82,16 @@ def test_the_light_modules_choices_match_the_heavy_ones():
 
     assert set(choices.HASHES) == set(ALGOS)
     assert set(trainer_module.DEVICES) == set(DEVICES) == set(worker_module.DEVICES)
+
+
+def test_a_setting_of_the_wrong_type_fails_and_toml_infinity_is_a_float():
+    with pytest.raises(ValueError, match=r"max_lag: expected .*int.*, got True"):
+        load_config(TrainerConfig, max_lag=True)  # a bool is not a number
+    with pytest.raises(ValueError, match=r"lr: expected .*float.*, got '1e-5'"):
+        load_config(TrainerConfig, lr="1e-5")
+    assert (
+        load_config(TrainerConfig, store_outage_seconds=math.inf).store_outage_seconds == math.inf
+    )
 
 
 def test_presets_hold_only_real_settings():

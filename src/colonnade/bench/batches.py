@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -44,7 +43,6 @@ from colonnade.protocol.schemas import (
     EpisodeRecord,
     GroupRecord,
     RolloutBatch,
-    SchemaError,
     batch_bytes_bound,
     check_worker_id,
     content_digest,
@@ -55,6 +53,7 @@ from colonnade.protocol.schemas import (
     pack_batch,
     unpack_batch,
 )
+from colonnade.untrusted import is_int, is_number, need
 
 FORMATS = ("json", "binary", "binary-raw")
 
@@ -112,50 +111,37 @@ def _encode_json(batch: RolloutBatch) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(dumps(doc))
 
 
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise SchemaError(what)
-
-
-def _int(x, lo: int = 0, hi: int = 1 << 62) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
-def _num(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _json_episode(e, vocab: int, max_tokens: int) -> EpisodeRecord:
-    _need(isinstance(e, dict) and set(e) == {"tokens", "from_model", "logprobs", "finish"},
-          "episode fields")  # fmt: skip
+    need(isinstance(e, dict) and set(e) == {"tokens", "from_model", "logprobs", "finish"},
+         "episode fields")  # fmt: skip
     toks, mask, lps = e["tokens"], e["from_model"], e["logprobs"]
-    _need(isinstance(toks, list) and 0 < len(toks) <= max_tokens, "episode length")
-    _need(isinstance(mask, str) and len(mask) == len(toks) and set(mask) <= {"0", "1"},
-          "from_model")  # fmt: skip
-    _need(isinstance(lps, list) and len(lps) == len(toks), "logprobs as long as tokens")
-    _need(all(_int(t, 0, vocab - 1) for t in toks), "token id out of the vocabulary")
-    _need(all(_num(x) and -1e4 <= x <= 0.0 for x in lps), "logprobs: finite, <= 0")
-    _need(mask[0] == "1", "an episode starts with a model token")
-    _need(e["finish"] in FINISHES, "finish")
+    need(isinstance(toks, list) and 0 < len(toks) <= max_tokens, "episode length")
+    need(isinstance(mask, str) and len(mask) == len(toks) and set(mask) <= {"0", "1"},
+         "from_model")  # fmt: skip
+    need(isinstance(lps, list) and len(lps) == len(toks), "logprobs as long as tokens")
+    need(all(is_int(t, 0, vocab - 1) for t in toks), "token id out of the vocabulary")
+    need(all(is_number(x) and -1e4 <= x <= 0.0 for x in lps), "logprobs: finite, <= 0")
+    need(mask[0] == "1", "an episode starts with a model token")
+    need(e["finish"] in FINISHES, "finish")
     return EpisodeRecord(list(toks), [c == "1" for c in mask], [float(x) for x in lps], e["finish"])
 
 
 def _decode_json(data: bytes, vocab: int, max_tokens: int, max_raw: int) -> RolloutBatch:
     """Protocol 2's `decode_batch`, checks and all."""
-    _need(len(data) <= MAX_BATCH_BYTES, "batch too large")
+    need(len(data) <= MAX_BATCH_BYTES, "batch too large")
     d = loads(untrusted.decompress(data, max_raw), max_raw)
-    _need(set(d) == {"worker", "version", "seq", "groups", "stats", "engine"}, "batch fields")
-    _need(d["engine"] in ENGINES, "engine")
+    need(set(d) == {"worker", "version", "seq", "groups", "stats", "engine"}, "batch fields")
+    need(d["engine"] in ENGINES, "engine")
     check_worker_id(d["worker"])
-    _need(_int(d["version"]) and _int(d["seq"]), "version/seq: integers")
-    _need(isinstance(d["stats"], dict) and all(_num(v) for v in d["stats"].values()), "stats")
+    need(is_int(d["version"]) and is_int(d["seq"]), "version/seq: integers")
+    need(isinstance(d["stats"], dict) and all(is_number(v) for v in d["stats"].values()), "stats")
     groups = d["groups"]
-    _need(isinstance(groups, list) and groups, "groups: non-empty list")
+    need(isinstance(groups, list) and groups, "groups: non-empty list")
     out = []
     for g in groups:
-        _need(isinstance(g, dict) and set(g) == {"task_id", "episodes"}, "group fields")
-        _need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
-        _need(isinstance(g["episodes"], list) and g["episodes"], "episodes: non-empty list")
+        need(isinstance(g, dict) and set(g) == {"task_id", "episodes"}, "group fields")
+        need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
+        need(isinstance(g["episodes"], list) and g["episodes"], "episodes: non-empty list")
         out.append(
             GroupRecord(g["task_id"], [_json_episode(e, vocab, max_tokens) for e in g["episodes"]])
         )

@@ -11,11 +11,14 @@ built and not later in another process.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
+
+from colonnade.untrusted import is_int, is_number
 
 T = TypeVar("T")
 HELP = "help"  # field metadata: the setting's one-line documentation
@@ -45,10 +48,10 @@ def _accepts(tp: Any, value: Any) -> bool:
         return any(_accepts(a, value) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is float:  # TOML's inf and nan: a setting's range check takes them or not
+        return is_number(value, finite=False)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value, -math.inf, math.inf)
     if origin is not None:
         return isinstance(value, origin)
     return isinstance(value, tp)

@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from colonnade.store import NotFound, ObjectStore, StoreError, StoreUnavailable
+from colonnade.untrusted import SchemaError, is_int, is_number, need
 
 from .keys import check_worker_id, parse_rollout_key
-from .schemas import MAX_JSON_BYTES, SchemaError, _int, _need, _num, _same_fields, dumps, loads
+from .schemas import MAX_JSON_BYTES, _same_fields, dumps, loads
 from .signing import SignatureRejected, Signer, Trust, open_doc, read_envelope, seal_doc
 
 MAX_TEXT = 256  # characters of a free-text field (host, platform, reason, ...)
@@ -84,7 +85,7 @@ def put_back(store: ObjectStore, key: str, mine: bytes) -> bool:
 
 def _text(x: Any, what: str, empty: bool = True) -> None:
     ok = isinstance(x, str) and len(x) <= MAX_TEXT and (empty or x)
-    _need(bool(ok), f"{what}: a string of at most {MAX_TEXT} characters")
+    need(bool(ok), f"{what}: a string of at most {MAX_TEXT} characters")
 
 
 def _worker(x: Any, what: str) -> None:
@@ -95,11 +96,11 @@ def _worker(x: Any, what: str) -> None:
 
 
 def _time(x: Any, what: str) -> None:
-    _need(_num(x) and x >= 0, f"{what}: seconds since the epoch")
+    need(is_number(x) and x >= 0, f"{what}: seconds since the epoch")
 
 
 def _version(x: Any, what: str, none: bool = False) -> None:
-    _need(_int(x) or (none and x is None), f"{what}: a version (integer >= 0)")
+    need(is_int(x) or (none and x is None), f"{what}: a version (integer >= 0)")
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class WorkerHeartbeat:
         for k in ("host", "platform", "device", "engine"):
             _text(d[k], k)
         for k in ("threads", "batches", "bytes_synced"):
-            _need(_int(d[k]), f"{k}: integer >= 0")
+            need(is_int(d[k]), f"{k}: integer >= 0")
         _version(d["version"], "version", none=True)
         _time(d["time"], "time")
         _time(d["started"], "started")
@@ -221,7 +222,7 @@ class QuarantineDecision:
 
     @classmethod
     def from_dict(cls, d: Any) -> QuarantineDecision:
-        _need(isinstance(d, dict), "a quarantine decision is not an object")
+        need(isinstance(d, dict), "a quarantine decision is not an object")
         _same_fields(cls, d, "quarantine decision")
         _text(d["reason"], "reason")
         _version(d["version"], "version")
@@ -272,12 +273,12 @@ class ConsumedLedger:
         d = {"rejected": [], **d}  # absent from ledgers of earlier releases
         _same_fields(cls, d, "ledger")
         for k in ("keys", "rejected"):
-            _need(isinstance(d[k], list), f"{k}: a list of rollout keys")
-            _need(all(parse_rollout_key(x) for x in d[k]), f"{k}: a list of rollout keys")
+            need(isinstance(d[k], list), f"{k}: a list of rollout keys")
+            need(all(parse_rollout_key(x) for x in d[k]), f"{k}: a list of rollout keys")
         digests = d["digests"]
-        _need(isinstance(digests, list), "digests: a list of sha256 hex digests")
-        _need(all(isinstance(x, str) and _DIGEST.fullmatch(x) for x in digests),
-              "digests: a list of sha256 hex digests")  # fmt: skip
+        need(isinstance(digests, list), "digests: a list of sha256 hex digests")
+        need(all(isinstance(x, str) and _DIGEST.fullmatch(x) for x in digests),
+             "digests: a list of sha256 hex digests")  # fmt: skip
         return cls(**d)
 
 

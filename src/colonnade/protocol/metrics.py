@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from .schemas import SchemaError, _need
+from colonnade.untrusted import SchemaError, is_int, is_number, need
 
 # The collector's counters, cumulative over the run (whatever the trainer
 # instance), flattened into the trainer's rows under these names:
@@ -169,11 +169,7 @@ def _to_dict(row) -> dict[str, Any]:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    return is_int(x, -math.inf, math.inf)  # a row's integers are not bounded
 
 
 def _table(x: Any, value) -> bool:
@@ -183,32 +179,32 @@ def _table(x: Any, value) -> bool:
 # A field's annotation -> its check.
 _CHECKS = {
     "int": _is_int,
-    "float": _is_num,
+    "float": is_number,
     "str": lambda x: isinstance(x, str) and len(x) <= 64,
     "dict[str, int]": lambda x: _table(x, _is_int),
-    "dict[str, float]": lambda x: _table(x, _is_num),
+    "dict[str, float]": lambda x: _table(x, is_number),
     "dict[str, dict[str, int]]": lambda x: _table(x, lambda v: _table(v, _is_int)),
-    "dict[str, dict[str, float]]": lambda x: _table(x, lambda v: _table(v, _is_num)),
+    "dict[str, dict[str, float]]": lambda x: _table(x, lambda v: _table(v, is_number)),
 }
 
 
 def _from_dict(cls, d: Any, counts: bool) -> dict[str, Any]:
-    _need(isinstance(d, dict), "a metric row is not an object")
+    need(isinstance(d, dict), "a metric row is not an object")
     out: dict[str, Any] = {}
     found: dict[str, int] = {}
     for name, value in d.items():
         f = cls.__dataclass_fields__.get(name)
         if f is not None and name != "counts":
-            _need(_CHECKS[f.type](value), f"{name}: not a {f.type}")
+            need(_CHECKS[f.type](value), f"{name}: not a {f.type}")
             out[name] = value
         elif counts and isinstance(name, str) and is_count(name):
-            _need(_is_int(value), f"{name}: a count")
+            need(_is_int(value), f"{name}: a count")
             found[name] = value
         else:
             raise SchemaError(f"{name!r}: not a field of {cls.__name__}")
     for f in fields(cls):
-        _need(f.name in out or f.default is not MISSING or f.default_factory is not MISSING
-              or f.name == "counts", f"{f.name}: missing")  # fmt: skip
+        need(f.name in out or f.default is not MISSING or f.default_factory is not MISSING
+             or f.name == "counts", f"{f.name}: missing")  # fmt: skip
     if counts:
         out["counts"] = found
     return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -26,6 +25,7 @@ from colonnade import untrusted
 from colonnade.choices import ENGINES, PUBLISHED_PRECISIONS
 from colonnade.envs.args import check_env_kwargs
 from colonnade.pulse.hashing import is_hash
+from colonnade.untrusted import SchemaError, is_int, is_number, need
 
 from .keys import MAX_SLOT, PROTOCOL_VERSION, check_worker_id
 
@@ -33,10 +33,6 @@ MAX_JSON_BYTES = 1 << 20  # run.json, meta.json, heartbeats
 MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
 MAX_EPISODES = 4096
 FINISHES = ("done", "eos", "length")
-
-
-class SchemaError(ValueError):
-    """A document that does not match its schema (or is too large)."""
 
 
 class ProtocolMismatch(SchemaError):
@@ -52,19 +48,6 @@ def _mismatch(what: str, theirs: Any, hint: str) -> ProtocolMismatch:
 
 _RUN_HINT = "run it with the release that started the run"
 _WORKER_HINT = "its worker runs another release of colonnade"
-
-
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise SchemaError(what)
-
-
-def _int(x: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
-def _num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _unique(pairs: list) -> dict:
@@ -86,13 +69,13 @@ def loads(data: bytes, limit: int = MAX_JSON_BYTES, unique: bool = False) -> dic
         raise SchemaError(f"not a JSON document we accept: {e}") from None
     except RecursionError:  # a second net under the depth bound
         raise SchemaError("not a JSON document we accept: nested too deeply") from None
-    _need(isinstance(doc, dict), "document is not a JSON object")
+    need(isinstance(doc, dict), "document is not a JSON object")
     return doc
 
 
 def _same_fields(cls, d: dict, what: str) -> None:
     names = {f.name for f in fields(cls)}  # ClassVars aside
-    _need(set(d) == names, f"{what} fields differ: {sorted(set(d) ^ names)}")
+    need(set(d) == names, f"{what} fields differ: {sorted(set(d) ^ names)}")
 
 
 def dumps(doc: dict) -> bytes:
@@ -137,33 +120,33 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, d: Any) -> RunSpec:
-        _need(isinstance(d, dict), "run.json is not an object")
+        need(isinstance(d, dict), "run.json is not an object")
         _same_fields(cls, d, "run.json")
-        _need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
+        need(isinstance(d["run_id"], str) and isinstance(d["env"], str), "run_id/env: strings")
         try:  # the check every side runs: JSON types, bounded
             check_env_kwargs(d["env_kwargs"])
         except ValueError as e:
             raise SchemaError(str(e)) from None
         files = d["model_files"]
-        _need(
+        need(
             isinstance(files, dict)
             and all(isinstance(f, str) and "/" not in f and is_hash(h) for f, h in files.items()),
             "model_files: {file name: hash}",
         )
-        _need(
+        need(
             d["precision"] in PUBLISHED_PRECISIONS,
             f"precision: {' or '.join(PUBLISHED_PRECISIONS)}",
         )
         for k in ("vocab_size", "group_size", "groups_per_batch", "anchor_every"):
-            _need(_int(d[k], 1), f"{k}: positive integer")
-        _need(_int(d["max_lag"], 0), "max_lag: integer >= 0")
-        _need(_int(d["groups_per_step"], 0), "groups_per_step: integer >= 0")
-        _need(isinstance(d["sampling"], dict), "sampling: object")
-        _need(isinstance(d["signed"], bool), "signed: boolean")
-        _need(isinstance(d["trainer_key"], str) and len(d["trainer_key"]) == 64, "trainer_key: hex")
-        _need(isinstance(d["inbox"], str) and len(d["inbox"]) <= 1024, "inbox: a store URL or ''")
+            need(is_int(d[k], 1), f"{k}: positive integer")
+        need(is_int(d["max_lag"], 0), "max_lag: integer >= 0")
+        need(is_int(d["groups_per_step"], 0), "groups_per_step: integer >= 0")
+        need(isinstance(d["sampling"], dict), "sampling: object")
+        need(isinstance(d["signed"], bool), "signed: boolean")
+        need(isinstance(d["trainer_key"], str) and len(d["trainer_key"]) == 64, "trainer_key: hex")
+        need(isinstance(d["inbox"], str) and len(d["inbox"]) <= 1024, "inbox: a store URL or ''")
         ep = d["inbox_endpoint_url"]
-        _need(ep is None or (isinstance(ep, str) and len(ep) <= 1024), "inbox_endpoint_url")
+        need(ep is None or (isinstance(ep, str) and len(ep) <= 1024), "inbox_endpoint_url")
         return cls(**d)
 
 
@@ -204,19 +187,19 @@ class VersionMeta:
 
     @classmethod
     def from_dict(cls, d: Any) -> VersionMeta:
-        _need(isinstance(d, dict), "meta.json is not an object")
+        need(isinstance(d, dict), "meta.json is not an object")
         _same_fields(cls, d, "meta.json")
         v = d["version"]
-        _need(_int(v) and _int(d["anchor"], 0, v), "version/anchor")
-        _need(is_hash(d["state_hash"]), "state_hash: blake3:<hex> or sha256:<hex>")
+        need(is_int(v) and is_int(d["anchor"], 0, v), "version/anchor")
+        need(is_hash(d["state_hash"]), "state_hash: blake3:<hex> or sha256:<hex>")
         for k in ("full_bytes", "patch_bytes", "anchor_bytes"):
-            _need(_int(d[k]), f"{k}: integer >= 0")
+            need(is_int(d[k]), f"{k}: integer >= 0")
         is_anchor = d["anchor"] == v
-        _need(is_hash(d["anchor_hash"]) == is_anchor, "an anchor version, and only one, has a full")
-        _need(is_anchor or d["anchor_hash"] == "", "anchor_hash: empty off anchors")
-        _need(is_hash(d["patch_hash"]) == (v > 0), "every version but v0, and only those, patch")
-        _need(v > 0 or d["patch_hash"] == "", "patch_hash: empty for v0")
-        _need(_num(d["created"]), "created: number")
+        need(is_hash(d["anchor_hash"]) == is_anchor, "an anchor version, and only one, has a full")
+        need(is_anchor or d["anchor_hash"] == "", "anchor_hash: empty off anchors")
+        need(is_hash(d["patch_hash"]) == (v > 0), "every version but v0, and only those, patch")
+        need(v > 0 or d["patch_hash"] == "", "patch_hash: empty for v0")
+        need(is_number(d["created"]), "created: number")
         return cls(**d)
 
 
@@ -240,11 +223,11 @@ class Demand:
 
     @classmethod
     def from_dict(cls, d: Any) -> Demand:
-        _need(isinstance(d, dict), "demand is not an object")
+        need(isinstance(d, dict), "demand is not an object")
         _same_fields(cls, d, "demand")
-        _need(_int(d["version"]) and _int(d["oldest"], 0, d["version"]), "demand version/oldest")
-        _need(_int(d["slots"], 0, MAX_SLOT + 1), f"demand slots: 0 to {MAX_SLOT + 1}")
-        _need(_num(d["lease_seconds"]) and d["lease_seconds"] > 0, "lease_seconds: > 0")
+        need(is_int(d["version"]) and is_int(d["oldest"], 0, d["version"]), "demand version/oldest")
+        need(is_int(d["slots"], 0, MAX_SLOT + 1), f"demand slots: 0 to {MAX_SLOT + 1}")
+        need(is_number(d["lease_seconds"]) and d["lease_seconds"] > 0, "lease_seconds: > 0")
         return cls(**d)
 
 
@@ -286,15 +269,15 @@ class Latest:
 
     @classmethod
     def from_dict(cls, d: Any) -> Latest:
-        _need(isinstance(d, dict), "latest.json is not an object")
+        need(isinstance(d, dict), "latest.json is not an object")
         _same_fields(cls, d, "latest.json")
         meta = VersionMeta.from_dict(d["meta"])
-        _need(_int(d["version"]) and meta.version == d["version"], "version: its meta's")
-        _need(isinstance(d["done"], bool) and _int(d["quarantined"]), "done/quarantined")
+        need(is_int(d["version"]) and meta.version == d["version"], "version: its meta's")
+        need(isinstance(d["done"], bool) and is_int(d["quarantined"]), "done/quarantined")
         demand = None if d["demand"] is None else Demand.from_dict(d["demand"])
         gap = d["version_seconds"]
-        _need(
-            gap is None or (_num(gap) and 0 <= gap <= MAX_VERSION_SECONDS),
+        need(
+            gap is None or (is_number(gap) and 0 <= gap <= MAX_VERSION_SECONDS),
             f"version_seconds: null or 0 to {MAX_VERSION_SECONDS}",
         )
         return cls(d["version"], meta, d["done"], d["quarantined"], demand, gap)
@@ -412,13 +395,13 @@ def decode_batch(
     """A validated batch from untrusted bytes, or SchemaError (ProtocolMismatch
     for a batch of another protocol version). `max_raw` bounds the
     decompressed bytes (see `batch_bytes_bound`)."""
-    _need(len(data) <= MAX_BATCH_BYTES, "batch too large")
+    need(len(data) <= MAX_BATCH_BYTES, "batch too large")
     try:
         frame = untrusted.zstd_frame_size(data)
         raw = untrusted.decompress(data, max_raw, require_size=True)
     except ValueError as e:
         raise SchemaError(f"not a batch: {e}") from None
-    _need(frame == len(data), f"{len(data) - frame} bytes of trailing data after the zstd frame")
+    need(frame == len(data), f"{len(data) - frame} bytes of trailing data after the zstd frame")
     return unpack_batch(raw, vocab, max_tokens)
 
 
@@ -426,38 +409,38 @@ def _header(raw: bytes) -> tuple[dict, dict]:
     """(tensor entries, the batch's JSON fields, where the data starts) of
     safetensors bytes, every entry checked against TENSORS and the data
     covered exactly, before anything else reads them."""
-    _need(len(raw) >= 8, f"not a batch: {len(raw)} bytes, no safetensors header")
+    need(len(raw) >= 8, f"not a batch: {len(raw)} bytes, no safetensors header")
     n = int.from_bytes(raw[:8], "little")
     if n > len(raw) - 8 and raw[:1] == b"{":  # a JSON batch of earlier releases
         raise _mismatch("a JSON batch", 2, _WORKER_HINT)
-    _need(n <= len(raw) - 8, f"header of {n} bytes, but {len(raw) - 8} bytes follow")
+    need(n <= len(raw) - 8, f"header of {n} bytes, but {len(raw) - 8} bytes follow")
     # Size and depth bounded before parsing; a key twice would let safetensors
     # read another entry than the one checked here.
     head = loads(raw[8 : 8 + n], n, unique=True)
-    _need(set(head) == {"__metadata__", *TENSORS}, f"tensors: {sorted(set(TENSORS))}")
+    need(set(head) == {"__metadata__", *TENSORS}, f"tensors: {sorted(set(TENSORS))}")
     meta = head["__metadata__"]
-    _need(isinstance(meta, dict) and set(meta) == {META_KEY}, f"metadata: {META_KEY!r} only")
-    _need(isinstance(meta[META_KEY], str), "metadata: a JSON string")
+    need(isinstance(meta, dict) and set(meta) == {META_KEY}, f"metadata: {META_KEY!r} only")
+    need(isinstance(meta[META_KEY], str), "metadata: a JSON string")
     fields = loads(meta[META_KEY].encode(), n, unique=True)
     spans = []
     for name, (dtype, np_dtype) in TENSORS.items():
         t = head[name]
-        _need(isinstance(t, dict) and set(t) == {"dtype", "shape", "data_offsets"}, name)
-        _need(t["dtype"] == dtype, f"{name}: dtype {dtype}, not {t['dtype']!r}")
+        need(isinstance(t, dict) and set(t) == {"dtype", "shape", "data_offsets"}, name)
+        need(t["dtype"] == dtype, f"{name}: dtype {dtype}, not {t['dtype']!r}")
         shape, offsets = t["shape"], t["data_offsets"]
-        _need(isinstance(shape, list) and len(shape) == 1 and _int(shape[0], 0, 1 << 40),
-              f"{name}: one dimension")  # fmt: skip
-        _need(isinstance(offsets, list) and len(offsets) == 2 and all(map(_int, offsets)),
-              f"{name}: data_offsets")  # fmt: skip
-        _need(offsets[1] - offsets[0] == shape[0] * np_dtype.itemsize,
-              f"{name}: data_offsets disagree with its shape")  # fmt: skip
+        need(isinstance(shape, list) and len(shape) == 1 and is_int(shape[0], 0, 1 << 40),
+             f"{name}: one dimension")  # fmt: skip
+        need(isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets)),
+             f"{name}: data_offsets")  # fmt: skip
+        need(offsets[1] - offsets[0] == shape[0] * np_dtype.itemsize,
+             f"{name}: data_offsets disagree with its shape")  # fmt: skip
         spans.append(offsets)
     end = 0
     for a, b in sorted(spans):
-        _need(a == end, "tensor data overlaps or leaves a gap")
+        need(a == end, "tensor data overlaps or leaves a gap")
         end = b
     body = len(raw) - 8 - n
-    _need(end == body, f"tensor data ends at {end} of {body} bytes (trailing data)")
+    need(end == body, f"tensor data ends at {end} of {body} bytes (trailing data)")
     return head, fields
 
 
@@ -467,51 +450,51 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
     from safetensors.numpy import load
 
     head, d = _header(raw)
-    _need("protocol" in d, "batch fields: no protocol")
-    if not (_int(d["protocol"]) and d["protocol"] == PROTOCOL_VERSION):
+    need("protocol" in d, "batch fields: no protocol")
+    if not (is_int(d["protocol"]) and d["protocol"] == PROTOCOL_VERSION):
         raise _mismatch("the batch", d["protocol"], _WORKER_HINT)
-    _need(set(d) == BATCH_FIELDS, f"batch fields differ: {sorted(set(d) ^ BATCH_FIELDS)}")
-    _need(isinstance(d["engine"], str) and d["engine"] in ENGINES, f"engine name: one of {ENGINES}")
+    need(set(d) == BATCH_FIELDS, f"batch fields differ: {sorted(set(d) ^ BATCH_FIELDS)}")
+    need(isinstance(d["engine"], str) and d["engine"] in ENGINES, f"engine name: one of {ENGINES}")
     try:
         check_worker_id(d["worker"])
     except (ValueError, TypeError):
         raise SchemaError("worker: invalid id") from None
-    _need(_int(d["version"]) and _int(d["seq"]), "version/seq: integers")
-    _need(isinstance(d["stats"], dict) and all(_num(v) for v in d["stats"].values()), "stats")
+    need(is_int(d["version"]) and is_int(d["seq"]), "version/seq: integers")
+    need(isinstance(d["stats"], dict) and all(is_number(v) for v in d["stats"].values()), "stats")
     groups = d["groups"]
-    _need(isinstance(groups, list) and groups, "groups: non-empty list")
+    need(isinstance(groups, list) and groups, "groups: non-empty list")
     for g in groups:
-        _need(isinstance(g, dict) and set(g) == {"task_id", "finish"}, "group fields")
-        _need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
-        _need(isinstance(g["finish"], list) and g["finish"], "finish: a non-empty list")
-        _need(all(isinstance(f, str) and f in FINISHES for f in g["finish"]),
-              f"finish: one of {FINISHES}")  # fmt: skip
+        need(isinstance(g, dict) and set(g) == {"task_id", "finish"}, "group fields")
+        need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
+        need(isinstance(g["finish"], list) and g["finish"], "finish: a non-empty list")
+        need(all(isinstance(f, str) and f in FINISHES for f in g["finish"]),
+             f"finish: one of {FINISHES}")  # fmt: skip
     episodes = sum(len(g["finish"]) for g in groups)
-    _need(episodes <= MAX_EPISODES, "too many episodes")
+    need(episodes <= MAX_EPISODES, "too many episodes")
     shapes = {name: head[name]["shape"][0] for name in TENSORS}
-    _need(shapes["lengths"] == episodes, "lengths: one per episode")
+    need(shapes["lengths"] == episodes, "lengths: one per episode")
     total = shapes["tokens"]
-    _need(shapes["logprobs"] == shapes["from_model"] == total,
-          "logprobs and from_model as long as tokens")  # fmt: skip
-    _need(total <= episodes * max_tokens, f"episode length must be 1..{max_tokens}")
+    need(shapes["logprobs"] == shapes["from_model"] == total,
+         "logprobs and from_model as long as tokens")  # fmt: skip
+    need(total <= episodes * max_tokens, f"episode length must be 1..{max_tokens}")
     try:
         arrays = load(raw)
     except (SafetensorError, ValueError) as e:  # checked above: a second net
         raise SchemaError(f"not a safetensors batch: {e}") from None
     for name, (_, np_dtype) in TENSORS.items():  # a second net: what was read is what was checked
         a = arrays.get(name)
-        _need(a is not None and a.dtype == np_dtype and a.shape == (shapes[name],),
-              f"{name}: read back unlike its header")  # fmt: skip
+        need(a is not None and a.dtype == np_dtype and a.shape == (shapes[name],),
+             f"{name}: read back unlike its header")  # fmt: skip
     lengths = arrays["lengths"].astype(np.int64)
-    _need(bool(np.all((lengths >= 1) & (lengths <= max_tokens))),
-          f"episode length must be 1..{max_tokens}")  # fmt: skip
-    _need(int(lengths.sum()) == total, "episode lengths do not add up to the tokens")
+    need(bool(np.all((lengths >= 1) & (lengths <= max_tokens))),
+         f"episode length must be 1..{max_tokens}")  # fmt: skip
+    need(int(lengths.sum()) == total, "episode lengths do not add up to the tokens")
     toks, lps, mask = arrays["tokens"], arrays["logprobs"], arrays["from_model"]
-    _need(bool(np.all((toks >= 0) & (toks < vocab))), "token id out of the vocabulary")
-    _need(bool(np.all(np.isfinite(lps) & (lps >= -1e4) & (lps <= 0.0))), "logprobs: finite, <= 0")
-    _need(bool(np.all(mask <= 1)), "from_model: 0 or 1")
+    need(bool(np.all((toks >= 0) & (toks < vocab))), "token id out of the vocabulary")
+    need(bool(np.all(np.isfinite(lps) & (lps >= -1e4) & (lps <= 0.0))), "logprobs: finite, <= 0")
+    need(bool(np.all(mask <= 1)), "from_model: 0 or 1")
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    _need(bool(np.all(mask[starts] == 1)), "an episode starts with a model token")
+    need(bool(np.all(mask[starts] == 1)), "an episode starts with a model token")
     cuts = np.cumsum(lengths)[:-1]
     ids, probs, model = (np.split(a, cuts) for a in (toks, lps, mask.astype(bool)))
     out, i = [], 0

@@ -29,6 +29,7 @@ import zstandard
 
 from colonnade import untrusted
 from colonnade.choices import STORED_PRECISIONS
+from colonnade.untrusted import is_int, need
 
 from .errors import PatchError
 from .hashing import is_hash
@@ -130,57 +131,48 @@ def _parse_header(head: bytes) -> dict[str, Any]:
     return header
 
 
-def _check(cond: bool, what: str) -> None:
-    if not cond:
-        raise ValueError(what)
-
-
-def _is_int(x: Any, lo: int = 0, hi: int = MAX_ELEMENTS) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
 def validate_header(h: Any) -> None:
-    """Schema of the header; raises ValueError/KeyError/TypeError on any deviation."""
-    _check(isinstance(h, dict), "header must be an object")
-    _check(h["precision"] in STORED_PRECISIONS, f"unknown precision {h['precision']!r}")
-    _check(is_hash(h["base_hash"]) and is_hash(h["result_hash"]), "bad base_hash/result_hash")
-    _check(_is_int(h["chunk_elems"], 1, 1 << 32), "bad chunk_elems")
-    _check(isinstance(h["tensors"], list), "tensors must be a list")
+    """Schema of the header; SchemaError (a ValueError), KeyError or TypeError on any deviation."""
+    need(isinstance(h, dict), "header must be an object")
+    need(h["precision"] in STORED_PRECISIONS, f"unknown precision {h['precision']!r}")
+    need(is_hash(h["base_hash"]) and is_hash(h["result_hash"]), "bad base_hash/result_hash")
+    need(is_int(h["chunk_elems"], 1, 1 << 32), "bad chunk_elems")
+    need(isinstance(h["tensors"], list), "tensors must be a list")
     total = 0
     seen: set[str] = set()
     for t in h["tensors"]:
         _validate_entry(t)
-        _check(t["name"] not in seen, f"tensor {t['name']!r} listed twice")
+        need(t["name"] not in seen, f"tensor {t['name']!r} listed twice")
         seen.add(t["name"])
         total += sum(t["blocks"])
-    _check(_is_int(h["payload_bytes"], 0, 1 << 48), "bad payload_bytes")
-    _check(total == h["payload_bytes"], "block lengths do not add up to payload_bytes")
+    need(is_int(h["payload_bytes"], 0, 1 << 48), "bad payload_bytes")
+    need(total == h["payload_bytes"], "block lengths do not add up to payload_bytes")
 
 
 def _validate_entry(t: Any) -> None:
-    _check(isinstance(t, dict), "tensor entry must be an object")
+    need(isinstance(t, dict), "tensor entry must be an object")
     name = t["name"]
-    _check(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "bad tensor name")
-    _check(t["op"] in OPS, f"unknown op {t['op']!r}")
+    need(isinstance(name, str) and 0 < len(name.encode()) <= MAX_NAME_BYTES, "bad tensor name")
+    need(t["op"] in OPS, f"unknown op {t['op']!r}")
     blocks = t["blocks"]
-    _check(isinstance(blocks, list) and all(_is_int(b, 0, 1 << 48) for b in blocks), "bad blocks")
+    need(isinstance(blocks, list) and all(is_int(b, 0, 1 << 48) for b in blocks), "bad blocks")
     if t["op"] == "drop":
-        _check(not blocks, "drop carries no blocks")
+        need(not blocks, "drop carries no blocks")
         return
-    _check(t["dtype"] in DTYPES, f"unknown dtype {t['dtype']!r}")
+    need(t["dtype"] in DTYPES, f"unknown dtype {t['dtype']!r}")
     shape = t["shape"]
-    _check(isinstance(shape, list) and all(_is_int(d) for d in shape), "bad shape")
+    need(isinstance(shape, list) and all(is_int(d, 0, MAX_ELEMENTS) for d in shape), "bad shape")
     n = 1
     for d in shape:
         n *= d
-    _check(n <= MAX_ELEMENTS, "tensor too large")
+    need(n <= MAX_ELEMENTS, "tensor too large")
     if t["op"] == "full":
-        _check(len(blocks) == 1 and isinstance(t["zstd"], bool), "full wants one block and zstd")
+        need(len(blocks) == 1 and isinstance(t["zstd"], bool), "full wants one block and zstd")
         return
-    _check(t["pos"] in POSITION_CODES, f"unknown position code {t['pos']!r}")
-    _check(t["res"] in RESIDUAL_CODES, f"unknown residual code {t['res']!r}")
-    _check(t["ctx"] in CONTEXTS, f"unknown context {t['ctx']!r}")
-    _check(_is_int(t["e0"], -1, 4096) and _is_int(t["changed"], 0, n), "bad e0/changed")
-    _check(t["rlayout"] in RESIDUAL_LAYOUTS, f"unknown residual layout {t['rlayout']!r}")
+    need(t["pos"] in POSITION_CODES, f"unknown position code {t['pos']!r}")
+    need(t["res"] in RESIDUAL_CODES, f"unknown residual code {t['res']!r}")
+    need(t["ctx"] in CONTEXTS, f"unknown context {t['ctx']!r}")
+    need(is_int(t["e0"], -1, 4096) and is_int(t["changed"], 0, n), "bad e0/changed")
+    need(t["rlayout"] in RESIDUAL_LAYOUTS, f"unknown residual layout {t['rlayout']!r}")
     want = POSITION_BLOCKS[t["pos"]] + RESIDUAL_LAYOUTS[t["rlayout"]]
-    _check(len(blocks) == want, "wrong number of blocks")
+    need(len(blocks) == want, "wrong number of blocks")
