@@ -2,26 +2,10 @@
 
 import pytest
 import torch
+from test_backends import _prompts, _replies
 
 from colonnade.engine import SamplingParams, engine_for
 from colonnade.model import int8_state, load_model
-
-REPLY = " <information>GX3 binds to PRT21 in the liver.</information> "
-
-
-def _replies(n_turns):
-    seen = []
-
-    def respond(text):
-        seen.append(text)
-        return None if len(seen) >= n_turns else REPLY
-
-    return respond
-
-
-def _prompts(tok):
-    texts = ["<search>gene GX3", "the quick brown fox", "<answer>", "GX41 binds to PRT"]
-    return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 @pytest.fixture(scope="module")

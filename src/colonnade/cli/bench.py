@@ -54,7 +54,7 @@ BENCHES = {
         "repeats): the total against the run's wall time.",
     ),
     "fleet": (
-        "the store protocol with a simulated fleet on a simulated WAN (issue 21)",
+        "the store protocol with a simulated fleet on a simulated WAN",
         "The real trainer (tiny model, smoke env) and simulated workers that are real protocol "
         "clients (they follow patches, pace or claim work, upload signed batches; generation is "
         "a cheap policy), each behind a store view that counts requests by verb and adds latency "
