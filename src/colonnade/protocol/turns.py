@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from colonnade.config import TrainerConfig
 from colonnade.envs import Environment
 
 
@@ -47,7 +47,16 @@ class SamplingParams:
             raise ValueError("token limits must be >= 1")
 
 
-def run_sampling(cfg: TrainerConfig) -> SamplingParams:
+class SamplingSettings(Protocol):
+    """What `run_sampling` reads of the trainer's settings (`TrainerConfig`
+    has them): named here, so that the wire layer imports no role's config."""
+
+    temperature: float
+    max_turn_tokens: int
+    max_episode_tokens: int
+
+
+def run_sampling(cfg: SamplingSettings) -> SamplingParams:
     """How a run's workers sample, from the trainer's settings (into run.json)."""
     return SamplingParams(
         temperature=cfg.temperature,
