@@ -1,4 +1,4 @@
-"""The six tiny architectures of issue 23, each built once per test session.
+"""The six tiny architectures the engines are checked on, each built once per test session.
 
 Random-init transformers models (hidden 64, 2 layers, vocab 300) from
 `colonnade.bench.engines`, so the tests and `colonnade bench engines` run

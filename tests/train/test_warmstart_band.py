@@ -1,9 +1,9 @@
 """The default searchqa warm start of `tiny` lands in the band RL needs.
 
-Issue 4's band: held-out pass@1 about 20-35% with search in well under half
-of the episodes, while the skill is there: when the base does search, it
+The band RL needs: held-out pass@1 about 20-35% with search in well under
+half of the episodes, while the skill is there: when the base does search, it
 mostly answers right (its unsearched answers never are). This is the v0 of
-`colonnade run`'s demo, built exactly as the run builds it (~4 min on 2
+`colonnade run`'s demo, built exactly as the run builds it (minutes on 2
 cores), then evaluated at the run's temperature on the int8 engine.
 """
 

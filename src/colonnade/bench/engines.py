@@ -31,7 +31,7 @@ TEXTS = [
 ]
 PROMPTS = ["<search>gene GX3", "the quick brown fox", "<answer>", "GX41 binds to PRT"]
 REPLY = " <information>GX3 binds to PRT21 in the liver.</information> "
-# Targets (issue 23): every MLX row runs, mean gap at most this many nats.
+# Targets: every MLX row runs, mean gap at most this many nats.
 MEAN_GAP_TARGET = 0.05
 
 

@@ -37,7 +37,7 @@ import torch
 import zstandard
 
 State = dict[str, torch.Tensor]
-# The rows a speed target speaks of: SmolLM2 at lr 1e-6 and 1e-5 (issue 24).
+# The rows a speed target speaks of: SmolLM2 at lr 1e-6 and 1e-5.
 SPEED_ROWS = (("smollm2", 1e-6), ("smollm2", 1e-5))
 TARGETS = {  # name: (description, key, limit, sense: "max" ≤ limit / "min" ≥ limit, rows)
     "vs_trl": ("ours ≤ 1/4 of TRL-style (b)", "ours_over_trl", 0.25, "max", None),

@@ -4,11 +4,10 @@ positions.RiceEncoder and positions.rice_chunks code a chunk's groups (one
 per context class with changes) a few numpy calls at a time: per group its
 gaps, the best Rice parameter, the unary and remainder bits. A model of a
 few hundred tensors has thousands of such groups, and that per-group Python
-cost was a large part of encoding and applying a patch (docs/benchmarks.md,
-issue 24). These kernels do a
-whole chunk in one call, writing (or reading) the packed bit streams
-directly, and give exactly the bits of the numpy path (bitcodes), which
-stays the reference and the fallback without numba.
+cost was a large part of encoding and applying a patch (docs/benchmarks.md).
+These kernels do a whole chunk in one call, writing (or reading) the packed
+bit streams directly, and give exactly the bits of the numpy path
+(bitcodes), which stays the reference and the fallback without numba.
 
 The bit streams are MSB-first (np.packbits order), written into zeroed
 buffers at a running bit position that carries over from chunk to chunk.

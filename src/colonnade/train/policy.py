@@ -48,7 +48,7 @@ def weights_as_published(module: nn.Module, precision: str):
     precision (a weight of 0.15 moves 3e-5 a step against a bf16 half-ulp of
     5e-4), so the workers keep running close to the old policy while an fp32
     π moves; the gate then masks exactly the tokens the update pushed, and
-    learning stalls (docs/benchmarks.md, issue 25). Under FSDP2 the rows of
+    learning stalls (docs/benchmarks.md). Under FSDP2 the rows of
     a weight are whole in a rank's shard (dim-0 sharding), so each rank
     rounds its own.
     """
