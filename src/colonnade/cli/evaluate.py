@@ -132,10 +132,10 @@ def run_eval(
     a task at temperature 0), and with `show` the first `show` sampled episodes."""
     from dataclasses import replace
 
+    from colonnade.engine import load_engine
     from colonnade.envs import load_environment, tokenizer_texts_of
     from colonnade.model import resolve_model
     from colonnade.progress import Tracker
-    from colonnade.engine import load_engine
     from colonnade.rollout.evaluate import evaluate
 
     env = load_environment(env_name, **(env_kwargs or {}))
