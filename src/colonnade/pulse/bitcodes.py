@@ -117,8 +117,8 @@ def ordered_key(bits: np.ndarray, is_float: bool, is_signed: bool) -> np.ndarray
 
     Floats are sign-magnitude: negative values are flipped so that one ulp up
     is +1 in key space, across zero too. Signed ints become offset binary.
-    Steps of a few ulps then become small integers, which code in ~1-2 bits
-    instead of the several bits their XOR costs.
+    Steps of a few ulps then become small integers, which code in far fewer
+    bits than their XOR costs.
     """
     ut = bits.dtype.type
     top = ut(1) << ut(bits.dtype.itemsize * 8 - 1)

@@ -6,8 +6,8 @@ size, and the rebuilt state must hash to result_hash (each with the
 algorithm the hash names). Unchanged tensors are shared with the base (never
 written); changed ones are fresh copies, so a failed apply leaves the
 caller's base untouched, or (in_place) rebuilt inside the base's tensors with
-an undo log of the old bits of what changed (about 1% of the state), which
-a failed apply plays back.
+an undo log of the old bits of what changed (a small share of the state),
+which a failed apply plays back.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def apply(
     def rebuilt(i: int) -> tuple[torch.Tensor, str]:
         # Hashed on this thread as soon as it is rebuilt, while the other
         # threads still work (a hash of the whole state after them all was
-        # a sixth of an apply, on fewer cores).
+        # a sizeable share of an apply, on fewer cores).
         old = base.get(entries[i]["name"])
         own = old is not None and _storage(old) not in shared
         undo = logs[i] if logs is not None and own else None

@@ -4,11 +4,11 @@ Position coding needs, for every changed element of a chunk, its rank among
 the elements of the same context class (encoder), and the inverse: the index
 of the element with a given class and rank (decoder). Both are one pass over
 the chunk. numpy can only express them through a stable argsort and a table
-look-up per element (~20 ns an element); numba runs the pass itself and
-computes each class on the fly (~2 ns an element), which keeps publishing a
-multi-billion-parameter patch in seconds rather than minutes. numba is
-optional: without it (or with COLONNADE_NO_NUMBA=1) the numpy versions run
-and produce the same bytes.
+look-up per element; numba runs the pass itself and computes each class on
+the fly, an order of magnitude faster (docs/benchmarks.md), which keeps
+publishing a multi-billion-parameter patch in seconds rather than minutes.
+numba is optional: without it (or with COLONNADE_NO_NUMBA=1) the numpy
+versions run and produce the same bytes.
 
 Class sources (see context.py):
   MODE_LUT    class = lut[bits[i] >> shift]   (float exponents; all-zero table: one class)
@@ -69,7 +69,7 @@ def _build_numba():
 
     # Each kernel runs its element loop once per class mode, written out in
     # full: numba's inlined helpers taking arrays paid reference counting on
-    # every call, which made the loops ten times slower.
+    # every call, which made the loops many times slower.
     # One count per class, read and bumped at every element. (Four counts a
     # class taken in turn, so that consecutive elements of one class do not
     # wait on each other's stores, measured slower on the Intel Xeon of

@@ -36,7 +36,7 @@ def workers() -> int:
 # instead (none waits, or those that wait are held back by the budget): while
 # other tensors can start, every core gets one of its own, and a chunk handed
 # over only made more threads than cores (the SmolLM2 patch of
-# docs/benchmarks.md encoded and applied 5-7% faster with its chunks inline).
+# docs/benchmarks.md encoded and applied faster with its chunks inline).
 _busy = 0
 _waiting = 0
 _held = 0

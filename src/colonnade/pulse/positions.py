@@ -53,8 +53,8 @@ def pack_groups(g: np.ndarray) -> bytes:
     """The group table's wire form (before zstd): its row count (u32), then
     column by column: chunk as the difference from the row before, cls, k,
     invert, count, and kept for the inverted rows only; the u32 columns
-    plane by plane (`bitcodes.byte_planes`). A third smaller than the rows
-    written out (zstd, on the SmolLM2 patches of docs/benchmarks.md)."""
+    plane by plane (`bitcodes.byte_planes`), which zstd compresses better than
+    the rows written out (on the SmolLM2 patches of docs/benchmarks.md)."""
     steps = g["chunk"].astype(_COUNT)  # (np.diff with prepend cost more than the rest)
     steps[1:] -= g["chunk"][:-1]
     kept = g["kept"][g["invert"] != 0].astype(_COUNT)

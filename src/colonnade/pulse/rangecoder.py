@@ -36,12 +36,12 @@ _TOP = 1 << 24
 # multiply by a rounded-up reciprocal and a shift: exact while
 # numerator · divisor ≤ 2^_SHIFT (at most 2^40 here, counts being ≤ _LIMIT + 1),
 # and the products stay under 2^55. A table look-up and a multiply ran the
-# coder a sixth faster than the 64-bit division in both directions.
+# coder faster than the 64-bit division in both directions (docs/benchmarks.md).
 _SHIFT = 42
 _RECIP = np.array([0] + [-(-(1 << _SHIFT) // d) for d in range(1, 2 * (_LIMIT + 1) + 3)], np.int64)
 
 # The loops below are written out in full, with scalar state: numba's inlined
-# helpers taking arrays paid reference counting per call (7x slower). The
+# helpers taking arrays paid reference counting per call (many times slower). The
 # decoder's one helper, `_learn`, updates a context after its decision: each
 # context's probability is kept ready in `prob`, so the division that makes
 # it is paid after a decision, where it overlaps the next, not before it (the

@@ -11,7 +11,7 @@ Three layouts of the resulting nonzero integers:
   Four symbols per byte let zstd's byte-wise Huffman stage spend under one
   bit on a symbol, which it cannot do for a byte per symbol.
 - "rc": the context-adaptive range coder (rangecoder.py), by context class;
-  within ~1% of the per-class entropy. Needs numba to encode at speed.
+  close to the per-class entropy. Needs numba to encode at speed.
 The encoder keeps the smallest combination it tries per tensor (see _candidates).
 """
 
@@ -92,9 +92,9 @@ class ResidualParts:
         optimizer step we measured; XOR planes stay as the fallback for changes
         that are not small moves (new random values, flipped bits), and are
         only tried where `rc` spends over half the raw bytes: on the SmolLM2
-        steps of docs/benchmarks.md they won only for tensors of 1 to 3
-        changes (the range coder's flush), at 5 to 17 bytes a value, while
-        trying them everywhere was a twentieth of an encode. Without the
+        steps of docs/benchmarks.md they won only for tensors of a few
+        changes (the range coder's flush dominates there), while trying them
+        everywhere cost a noticeable share of an encode. Without the
         compiled coder, the zstd layouts of both transforms compete.
         """
         xor, delta = self._xor[: self.size], self._delta[: self.size]

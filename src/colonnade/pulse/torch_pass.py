@@ -2,7 +2,7 @@
 
 When the trainer's weights are on a GPU, comparing old and new, classifying
 each element by its context and gathering the changed ones all run there as
-torch ops, and only the changes (about 1% of the elements: their positions,
+torch ops, and only the changes (a small share of the elements: their positions,
 ranks and two residual transforms) and each chunk's class sizes cross to the
 CPU, where positions.RiceEncoder and the range coder take them as they take
 the compiled pass's (kernels.class_ranks). Chunk for chunk it returns what
