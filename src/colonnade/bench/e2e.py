@@ -15,8 +15,8 @@ async time-to-target is the speed-up asynchrony buys.
 
 Both time and waiting are also given from the end of the first version on
 ("steady"): the first version waits for the fleet to start (processes,
-imports, the first sync: ~5 s here), which is the same for both modes and
-a third of a smoke run; a run of hours pays it once.
+imports, the first sync), which is the same for both modes and a large
+share of a smoke run; a run of hours pays it once.
 """
 
 from __future__ import annotations

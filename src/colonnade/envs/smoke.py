@@ -62,8 +62,9 @@ class Smoke:
     def demonstration(self, task: Task, good: bool, rng: random.Random) -> list[str]:
         # The poor demo declines rather than naming a wrong colour: wrong
         # colours on the same prompts contradict the copy rule, and a 2M model
-        # then learns only the colours' marginal (pass@1 stays at 1/8 even
-        # with 80% good demos), leaving RL nothing to amplify.
+        # then learns only the colours' marginal (pass@1 stays at chance even
+        # with mostly good demos: docs/benchmarks.md), leaving RL nothing to
+        # amplify.
         # The leading space makes the answer the very token of the prompt's
         # word (" red"), so the skill is a plain copy.
         return [f"<answer> {task.answers[0] if good else UNSURE}</answer>"]

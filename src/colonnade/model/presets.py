@@ -38,8 +38,8 @@ class TinySpec:
     max_positions: int = 2048
     # Merge floor of the tokenizer (`train_bpe_tokenizer`): every token is seen
     # this often in the training texts. Without it, searchqa's held-out names
-    # were one-off tokens and a warm-started tiny model answered 0.62 of
-    # held-out questions after searching; with 40, 0.875 (docs/benchmarks.md).
+    # were one-off tokens and a warm-started tiny model answered far fewer
+    # held-out questions right after searching (docs/benchmarks.md).
     min_frequency: int = 40
     seed: int = 0
 
@@ -94,7 +94,7 @@ def smollm2_source() -> Path:
 
 
 def build_smollm2(out: Path) -> None:
-    """Dequantize the GGUF once into a bf16 safetensors HF directory (~25 s)."""
+    """Dequantize the GGUF once into a bf16 safetensors HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_source()

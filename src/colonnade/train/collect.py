@@ -248,7 +248,8 @@ class Collector:
                 )
                 last_report = time.monotonic()
             # Short polls first, then a tenth of a version's time: a fixed 1 s
-            # poll cost the smoke preset a third of the trainer's time.
+            # poll left the smoke preset's trainer waiting long after its
+            # groups had landed (docs/benchmarks.md).
             cap = poll_interval(self.version_gap, self.poll_seconds)
             time.sleep(min(cap, FLOOR * 2 ** min(polls, 16)))
             polls += 1

@@ -17,23 +17,23 @@ behaviour versions, at most `window` versions away (their token-weighted
 median), pooled over the run. A worker whose batches happened to be older
 than the rest is not an outlier; a lag no other worker sent near that
 version is not judged. Pooling by lag alone compared a late row with early
-ones: in a smoke run whose policy moved 20× faster mid-run than at its
-start, an honest worker's lag-1 rows of v4 (0.063/token) were judged
-against the other's lag-1 rows of v0–v2 (0.001) and quarantined. Pooling
-across steps matters with small steps, where one step often holds one
-worker's batches only: matching within a step judged nobody there.
+ones: in a smoke run whose policy moved far faster mid-run than at its
+start, an honest worker's late lag-1 rows were judged against the other's
+early lag-1 rows, far below them, and quarantined
+(docs/benchmarks.md). Pooling across steps matters with small steps, where
+one step often holds one worker's batches only: matching within a step
+judged nobody there.
 
 An honest worker's figures are heavy-tailed by step. The tasks it drew may
 be where π moved most in that step (a smoke worker whose weights were exact
-stood at 0.064/token against the other's 0.005, one of its episodes
-0.51/token from the next version's log-probs), and a step that only one
-worker's batches fed has no peer sharing its π: a jump of π there shows as
-that worker's mismatch alone (another smoke worker, alone in two steps,
-stood at 0.27 and 1.33/token there and at 0.0002–0.0003 in its four other
-steps). So a worker is judged without its
-worst third of steps (`trim_share`, rounded down: none below 3 steps). A
-forger that forges in at most a third of its steps goes unseen, which
-bounds what it can move (and the gate and clip still apply).
+stood far above the other in one step, on the strength of one episode the
+next version had moved far on), and a step that only one worker's batches
+fed has no peer sharing its π: a jump of π there shows as that worker's
+mismatch alone (another smoke worker, alone in two steps, stood orders of
+magnitude higher there than in its other steps). So a worker is judged
+without its worst third of steps (`trim_share`, rounded down: none below 3
+steps). A forger that forges in at most a third of its steps goes unseen,
+which bounds what it can move (and the gate and clip still apply).
 """
 
 from __future__ import annotations

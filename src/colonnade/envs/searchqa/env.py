@@ -51,9 +51,8 @@ class SearchQA:
     # more of the copying.
     # Pretrained, SmolLM2 answers right nearly whenever it searches, so its
     # search rate is its pass rate. Good-only steps leave it searching; the
-    # mixture needs most of the steps, at twice the rate, to bring that down:
-    # held-out (n=200, T=1) 0.35 good / skill 0.5: pass 0.43, search 0.45;
-    # 0.25 / 0.5: 0.415, 0.425; 0.25 / 0.3 / mix 6e-5: 0.275, 0.275.
+    # mixture needs most of the steps, at twice the rate, to bring that down
+    # (each setting's held-out figures: docs/benchmarks.md).
     warmstart_defaults: ClassVar[dict[str, dict[str, float]]] = {
         "tiny": {"drill_steps": 150, "steps": 1000, "skill_fraction": 0.8, "mix_lr": 3e-4},
         "smollm2-135m": {"good_fraction": 0.25, "skill_fraction": 0.3, "mix_lr": 6e-5},
@@ -168,8 +167,8 @@ class SearchQA:
         The poor answer is a copy from the prompt, as the good one is a copy
         from the information. An earlier poor demo answered with another
         training question's answer: the model learned to emit remembered names
-        where it should copy, and the share of searches that ended in a right
-        answer fell from 0.72 to 0.56 (docs/benchmarks.md).
+        where it should copy, and fewer of its searches ended in a right answer
+        (docs/benchmarks.md).
         """
         if self.hops > 1:
             return self._two_hop_demo(task, good)
@@ -216,7 +215,8 @@ class SearchQA:
         # Tool replies too, so the tags and "Doc n:" become single tokens.
         replies = [self.information(t.question) for t in self.corpus.train[::4]]
         # The system prompt opens every episode: weighted so, its words become
-        # tokens (seen once, it took 78 tokens; now 36).
+        # tokens of their own, and every episode is shorter for it (seen once,
+        # it was split into sub-word pieces).
         return [
             *[SYSTEM] * len(tasks),
             *self.corpus.docs,
