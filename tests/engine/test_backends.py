@@ -177,22 +177,35 @@ def test_a_stop_string_split_across_tokens_ends_the_turn(case):
     engine, tok = case.engine, case.engine.tokenizer
     free = SamplingParams(max_turn_tokens=40, max_episode_tokens=40)
     prompts = _prompts(tok)[:1]
-    ep = engine.generate(prompts, [lambda t: None], free, seed=5)[0]
-    # A stop string that straddles two token boundaries: the end of one
-    # token, the whole next one, the start of the one after.
-    pieces = [tok.decode([t]) for t in ep.tokens]
-    j = next(
-        j
-        for j in range(4, len(pieces) - 1)
-        if all(p and p.isascii() and p.isprintable() for p in pieces[j - 1 : j + 2])
+
+    def straddled(ep):
+        # Where a stop string can straddle two token boundaries: the end of
+        # one token, the whole next one, the start of the one after.
+        pieces = [tok.decode([t]) for t in ep.tokens]
+        return next(
+            (
+                j
+                for j in range(4, len(pieces) - 1)
+                if all(p and p.isascii() and p.isprintable() for p in pieces[j - 1 : j + 2])
+            ),
+            None,
+        )
+
+    seed, ep = next(
+        (seed, ep)
+        for seed in range(5, 60)
+        for ep in engine.generate(prompts, [lambda t: None], free, seed=seed)
+        if straddled(ep) is not None
     )
+    j = straddled(ep)
+    pieces = [tok.decode([t]) for t in ep.tokens]
     stop = pieces[j - 1][-1:] + pieces[j] + pieces[j + 1][:1]
     seen = []
     stopped = engine.generate(
         prompts,
         [lambda t: seen.append(t)],
         SamplingParams(max_turn_tokens=40, max_episode_tokens=40, stop=(stop,)),
-        seed=5,
+        seed=seed,
     )[0]
     first = tok.decode(ep.tokens).find(stop)
     n_tokens = next(i for i in range(1, 41) if stop in tok.decode(ep.tokens[:i]))

@@ -15,8 +15,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import blake3
+import numpy as np
 import torch
 
+from colonnade.protocol.draws import uniforms
 from colonnade.protocol.turns import StopMatcher
 
 from .backend import Backend
@@ -36,13 +39,21 @@ class Episode:
     tokens: list[int] = field(default_factory=list)  # after the prompt
     from_model: list[bool] = field(default_factory=list)  # env tokens never enter the loss
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob; 0.0 on env tokens
+    below: list[float] = field(default_factory=list)  # mass below each token (its draw's interval)
     turns: list[str] = field(default_factory=list)  # each model turn's text
     finish: str = ""  # "done" (env ended it), "eos", "length"
 
-    def add(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None):
+    def add(
+        self,
+        ids: Sequence[int],
+        model: bool,
+        logprobs: Sequence[float] | None = None,
+        below: Sequence[float] | None = None,
+    ):
         self.tokens.extend(ids)
         self.from_model.extend([model] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.below.extend(below if below is not None else [0.0] * len(ids))
 
 
 @dataclass
@@ -50,7 +61,12 @@ class _Row:
     episode: Episode
     respond: Responder
     pending: list[int]
+    key: bytes  # its draws' key (`protocol.draws`)
     turn: list[int] = field(default_factory=list)
+
+    def draw(self) -> float:
+        """The draw for the token this row samples next (at its episode position)."""
+        return float(uniforms(self.key, [len(self.episode.tokens)])[0])
 
 
 # A step whose longest chunk (a tool reply) is at least this long, beside rows
@@ -85,6 +101,11 @@ def _admitted(waiting: deque, rows: list[_Row], busy: int, max_rows: int) -> lis
         else:
             waiting[0] = unit[take:]
     return admit
+
+
+def seeded_keys(seed: int, rows: int) -> list[bytes]:
+    """Draw keys for rows nobody checks (evaluations, benchmarks), from a seed."""
+    return [blake3.blake3(f"colonnade seed {seed} row {i}".encode()).digest() for i in range(rows)]
 
 
 def units(prompts: Sequence[Sequence[int]], max_rows: int) -> list[list[int]]:
@@ -130,8 +151,13 @@ class Engine:
         max_rows: int = 0,
         share_prefix: bool = True,
         split_replies: bool = True,
+        keys: Sequence[bytes] | None = None,
     ) -> list[Episode]:
         """One episode per prompt; `responders[i]` answers episode i's turns.
+
+        Row i's tokens are drawn by `keys[i]` (`protocol.draws.draw_key`: a
+        worker's rows, which the trainer can check); without `keys`, by keys
+        that follow from `seed`.
 
         With `share_prefix`, the rows of one prompt (a group) are prefilled
         once and the cache copied to each. With `split_replies`, a tool reply
@@ -150,11 +176,14 @@ class Engine:
             raise ValueError("empty prompt")
         if max_rows < 0:
             raise ValueError("max_rows must be >= 0")
-        gen = torch.Generator().manual_seed(seed)
+        if keys is None:
+            keys = seeded_keys(seed, len(prompts))
+        if len(keys) != len(prompts):
+            raise ValueError("one draw key per prompt")
         stops = StopMatcher(self.tokenizer, params.stop)
         rows = [
-            _Row(Episode(list(p), self.version), r, list(p))
-            for p, r in zip(prompts, responders, strict=True)
+            _Row(Episode(list(p), self.version), r, list(p), k)
+            for p, r, k in zip(prompts, responders, keys, strict=True)
         ]
         share = share_prefix and all(len(p) >= 2 for p in prompts)
         waiting = deque(units(prompts, max_rows) if share else [list(range(len(rows)))])
@@ -188,9 +217,11 @@ class Engine:
                 self._drop_ended(session, live)
             if split_replies:
                 _split_replies(session, live)
-            tokens, logprobs = sample(session.step([r.pending for r in live]), params, gen)
+            draws = np.array([r.draw() for r in live])
+            got = sample(session.step([r.pending for r in live]), params, draws)
             for i, row in enumerate(live):
-                if not self._advance(row, int(tokens[i]), float(logprobs[i]), params, stops):
+                taken = (int(got.tokens[i]), float(got.logprobs[i]), float(got.below[i]))
+                if not self._advance(row, *taken, params, stops):
                     live[i] = None
             if all(r is None for r in live):
                 live, session = [], None
@@ -228,10 +259,10 @@ class Engine:
             joined.extend(other)
         return joined.take(index)
 
-    def _advance(self, row: _Row, token: int, logprob: float, params, stops) -> bool:
+    def _advance(self, row: _Row, token: int, logprob: float, below: float, params, stops) -> bool:
         """Record a sampled token; False when the episode is over."""
         ep = row.episode
-        ep.add([token], True, [logprob])
+        ep.add([token], True, [logprob], [below])
         row.turn.append(token)
         if token in self.eos_ids and not params.ignore_eos:
             ep.turns.append(self.tokenizer.decode(row.turn, skip_special_tokens=True))

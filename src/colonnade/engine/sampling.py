@@ -1,5 +1,11 @@
 """Choosing the next token, and the log-prob the trainer's gate needs.
 
+Every sampled token is the inverse CDF, over the vocabulary in token-id
+order, of a draw the engine is handed (`protocol.draws`): the same draw gives
+the same token on every engine except within rounding of a boundary, and
+the mass below the token (recorded beside its log-prob) lets the trainer
+check that the draw falls in the token's interval.
+
 The recorded log-prob is that of the distribution actually sampled from:
 after temperature, top-k and top-p, renormalized. A trainer must apply the
 same temperature when it recomputes π (top-k/top-p truncation is why they
@@ -8,6 +14,9 @@ are off by default: they make μ differ from any π the trainer computes).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from colonnade.protocol.turns import SamplingParams
@@ -32,25 +41,40 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.log_softmax(z, dim=-1)
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B], their log-probs [B]) for next-token logits [B, V]."""
+class Draw(NamedTuple):
+    """One step's sampled tokens [B] (int64), their log-probs [B] (float32) and
+    the probability mass below each in token-id order [B] (float64)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    below: torch.Tensor
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, draws: np.ndarray) -> Draw:
+    """Tokens for next-token logits [B, V], row b's drawn by `draws[b]` in [0, 1)
+    (`protocol.draws`): the inverse CDF over the vocabulary in token-id order.
+    Sums in float64, so the drawn frequencies match the probabilities the
+    recorded log-prob names."""
     logp = filtered_logprobs(logits.detach().to("cpu"), params)
-    greedy = params.temperature == 0
-    tokens = logp.argmax(dim=-1) if greedy else inverse_cdf(logp.exp(), generator)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if params.temperature == 0:
+        tokens = logp.argmax(dim=-1)
+    else:
+        probs = logp.exp().double()
+        cdf = probs.cumsum(dim=-1)
+        u = torch.from_numpy(np.asarray(draws, dtype=np.float64))[:, None]
+        # `right=True` never lands on a zero-probability (filtered) token, even
+        # for u = 0; a product that rounds up to the total takes the last
+        # token that has any mass.
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).minimum(last)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return Draw(tokens, chosen, mass_below(logp, tokens))
 
 
-def inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of `probs` [B, V]: the first token whose running sum passes u.
-
-    One uniform per row instead of `torch.multinomial`'s one exponential per
-    vocabulary entry: on a 49k vocabulary at batch 32 that was ~40 ms of every
-    step. Sums in float64, so the drawn frequencies match the probabilities the
-    recorded log-prob names; `right=True` never lands on a zero-probability
-    (filtered) token, even for u = 0.
-    """
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+def mass_below(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """float64 [N]: the probability mass of the ids below each token, for
+    log-probs [N, V] (`filtered_logprobs`) and tokens [N]: where the token's
+    interval of draws starts."""
+    cdf = logp.exp().double().cumsum(dim=-1)
+    prev = cdf.gather(-1, (tokens - 1).clamp(min=0)[:, None]).squeeze(-1)
+    return torch.where(tokens > 0, prev, 0.0) / cdf[:, -1]
