@@ -104,7 +104,7 @@ def test_a_worker_refuses_the_architecture_before_any_weights(
     w = Worker(WorkerConfig(store=str(tmp_path), id="w1", engine="mlx"), store)
     with pytest.raises(loader.UnsupportedArchitecture, match=r"'llama'.*engines that do: torch"):
         w.setup()
-    assert getattr(w, "follower", None) is None  # no weights were asked for
+    assert getattr(w, "weights", None) is None  # no weights were asked for
     auto = Worker(WorkerConfig(store=str(tmp_path), id="w2", engine="auto"), store)
     auto.setup()
     assert auto.engine_kind == "torch"

@@ -154,9 +154,11 @@ def _check_fallback(store, metas, v: int, what: str) -> None:
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "meta", "forged meta"])
 def test_a_worker_waits_out_an_anchor_that_never_verifies(tmp_path, monkeypatch, damage,
                                                           signed_run):  # fmt: skip
+    import colonnade.rollout.weights as weights_mod
     import colonnade.rollout.worker as worker_mod
     from colonnade.config import WorkerConfig
     from colonnade.protocol.reader import open_run
+    from colonnade.rollout.weights import EngineLoader
     from colonnade.rollout.worker import Worker
 
     store = LocalStore(tmp_path)
@@ -193,20 +195,18 @@ def test_a_worker_waits_out_an_anchor_that_never_verifies(tmp_path, monkeypatch,
 
     monkeypatch.setattr(worker_mod, "backoff", backoff)
     # The engine is faked: built from whatever state the follower installs.
-    monkeypatch.setattr(worker_mod, "engine_for", lambda *a, **k: SimpleNamespace(version=a[6]))
+    monkeypatch.setattr(weights_mod, "engine_for", lambda *a, **k: SimpleNamespace(version=a[6]))
     w = Worker(WorkerConfig(store=str(tmp_path), id="w1"), store)
     view = open_run(store)
-    # What setup() builds; the loop needs nothing else here.
-    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
-    w.follower = Follower(store, K, w.trust)
-    w.model = w.tok = w.aliases = w.device = None
+    # The parts setup() builds, without the model; the loop needs nothing else here.
+    w.wire(view.spec, view.trust, view.inbox, EngineLoader(None, None, "int8", None, "torch", {}))
     w._loop()  # returns only because the test stopped it
     assert len(delays) == tries and max(delays) == 30.0  # backs off, never gives up
-    assert w.pending["unverified"] == tries
-    assert w.follower.state is None and w.engine is None and w.batches == 0
+    assert w.tally.counts["unverified"] == tries
+    assert w.weights.follower.state is None and w.weights.engine is None and w.batches == 0
     assert view.inbox.list("") == []
     # The trainer puts its own back: the worker installs the newest version.
     store.put(key, good_anchor)
     store.put(keys.meta_key(0), good_meta)
     w.sync()
-    assert w.running_version == 2 and held_ok(w.follower, metas)
+    assert w.running_version == 2 and held_ok(w.weights.follower, metas)

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import colonnade.rollout.worker as worker_module
+import colonnade.rollout.pacing as pacing_module
+import colonnade.rollout.watch as watch_module
 from colonnade.config import WorkerConfig
 from colonnade.protocol import keys
 from colonnade.protocol.documents import (
@@ -22,7 +23,8 @@ from colonnade.protocol.polling import idle_delay, moving_gap, poll_interval
 from colonnade.protocol.reader import open_run
 from colonnade.protocol.schemas import Demand, Latest, VersionMeta
 from colonnade.protocol.signing import Signer
-from colonnade.rollout.worker import CLAIM_TRIES, Quarantined, Worker
+from colonnade.rollout.claims import CLAIM_TRIES
+from colonnade.rollout.worker import Quarantined, Worker
 from colonnade.store import LocalStore
 from colonnade.store.counting import Counting
 
@@ -49,9 +51,9 @@ def _worker(run, path, running=3):
     store = run(path / "run")
     w = Worker(WorkerConfig(id="w1", poll_seconds=0.1), store)
     view = open_run(store)
-    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
-    w.follower = SimpleNamespace(version=running)
-    return w, store, w.inbox
+    w.wire(view.spec, view.trust, view.inbox, loader=None)
+    w.weights.follower = SimpleNamespace(version=running)  # no engine: it runs the follower's
+    return w, store, view.inbox
 
 
 def _seal(store, key, doc) -> bytes:
@@ -81,8 +83,8 @@ def _holders(inbox, v) -> list[str]:
 
 
 class Clock:
-    """Stands in for the worker's `time` module: a sleep moves the clock on
-    at once, so a wait is counted in polls, not measured."""
+    """Stands in for the `time` module of the worker's waits: a sleep moves
+    the clock on at once, so a wait is counted in polls, not measured."""
 
     def __init__(self):
         self.now = 0.0
@@ -104,7 +106,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(worker_module, "time", c)
+    monkeypatch.setattr(pacing_module, "time", c)
+    monkeypatch.setattr(watch_module, "time", c)
     return c
 
 
@@ -125,41 +128,41 @@ class PublishOnPoll(Counting):
 
 def test_a_quarantined_worker_learns_it_and_says_why(tmp_path, run):
     w, store, _ = _worker(run, tmp_path)
-    assert w.read_quarantine() == set()  # no decisions yet
+    assert w.watch.read_quarantine() == set()  # no decisions yet
     store.put(keys.QUARANTINE, b"not json")
-    assert w.read_quarantine() == set()
+    assert w.watch.read_quarantine() == set()
     not_a_decision = {"w1": {"reason": "mismatch KL", "version": 4}}  # no time
     store.put(keys.QUARANTINE, SIGNERS[store.url].seal(keys.QUARANTINE, not_a_decision))
-    assert w.read_quarantine() == set()  # signed, but not a decision: not read
+    assert w.watch.read_quarantine() == set()  # signed, but not a decision: not read
     decision = QuarantineDecision("mismatch KL 0.9/token", 4, 1.0)
     doc = Quarantine({"w1": decision})
     store.put(keys.QUARANTINE, doc.to_json())  # anyone's: not signed by the trainer
-    assert w.read_quarantine() == set()
+    assert w.watch.read_quarantine() == set()
     forger = Signer(Ed25519PrivateKey.generate(), RUN)
     store.put(keys.QUARANTINE, sealed(forger, keys.QUARANTINE, doc))  # another key
-    assert w.read_quarantine() == set()
-    assert w.pending["unverified"] == 4  # each counted, none acted on
+    assert w.watch.read_quarantine() == set()
+    assert w.tally.counts["unverified"] == 4  # each counted, none acted on
     store.put(keys.QUARANTINE, _seal(store, keys.QUARANTINE, doc))
     with pytest.raises(Quarantined, match=r"quarantined worker w1 \(mismatch KL 0\.9/token\)"):
-        w.read_quarantine()
+        w.watch.read_quarantine()
 
 
 def test_a_latest_json_the_trainer_did_not_sign_is_not_acted_on(tmp_path, run):
     w, store, _ = _worker(run, tmp_path)
     _publish(store, 3, slots=2)
-    assert w._poll().version == 3
+    assert w.watch.poll().version == 3
     forged = _latest(store)
     forged = Latest(forged.version, forged.meta, done=True)  # "the run is over"
     store.put(keys.LATEST, forged.to_json())  # unsigned
-    assert w._poll() is None and not w.done() and w.pending["unverified"] == 1
+    assert w.watch.poll() is None and not w.watch.done() and w.tally.counts["unverified"] == 1
     forger = Signer(Ed25519PrivateKey.generate(), RUN)
     store.put(keys.LATEST, sealed(forger, keys.LATEST, forged))
-    assert w._poll() is None and not w.done() and w.pending["unverified"] == 2
+    assert w.watch.poll() is None and not w.watch.done() and w.tally.counts["unverified"] == 2
     # The trainer's own pointer to an older version is no step back either.
     _publish(store, 4, slots=2)
-    assert w._poll().version == 4
+    assert w.watch.poll().version == 4
     _publish(store, 3, slots=2)
-    assert w._poll() is None and w.pointer.version == 4
+    assert w.watch.poll() is None and w.watch.latest.version == 4
 
 
 def test_polls_follow_the_time_between_versions():
@@ -175,13 +178,13 @@ def test_polls_follow_the_time_between_versions():
 def test_a_worker_claims_a_slot_of_its_version_only(tmp_path, run):
     w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=2, demand_version=4)  # slots of a version it does not run
-    w._poll()
+    w.watch.poll()
     assert not w.claim() and inbox.list(keys.CLAIMS) == []
     _publish(store, 3, slots=2)
-    w._poll()
+    w.watch.poll()
     assert w.claim() and w.claim()  # one slot per batch
     assert not w.claim()  # both taken: by this worker, as it happens
-    assert _holders(inbox, 3) == ["w1", "w1"] and w.claims == 2
+    assert _holders(inbox, 3) == ["w1", "w1"] and w.claims.count == 2
     assert store.list(keys.CLAIMS) == []  # claims go to the inbox, not the run's store
 
 
@@ -190,8 +193,8 @@ def test_a_taken_slot_is_never_tried_and_a_look_costs_a_few_requests(tmp_path, r
     _publish(store, 3, slots=6)
     for slot in range(5):  # other workers were first to five of the six
         inbox.put_if_absent(keys.claim_key(3, slot), _claim(keys.claim_key(3, slot), "other"))
-    w._poll()
-    w.inbox = counting = Counting(inbox)
+    w.watch.poll()
+    w.claims.inbox = counting = Counting(inbox)
     # One listing of the version's claims tells which slots are taken: the
     # free one is the one tried.
     assert w.claim()
@@ -206,14 +209,14 @@ def test_a_look_tries_a_few_slots_at_most(tmp_path, run, monkeypatch):
     # CLAIM_TRIES put-if-absent a look, and never the same slot twice.
     w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=6)
-    w._poll()
+    w.watch.poll()
 
     class Racing(Counting):
         def put_if_absent(self, key, data):
             self.inner.put_if_absent(key, _claim(key, "other"))  # someone was first
             return super().put_if_absent(key, data)
 
-    w.inbox = racing = Racing(inbox)
+    w.claims.inbox = racing = Racing(inbox)
     looks = 0
     while w.free_slots():
         assert not w.claim()
@@ -225,28 +228,28 @@ def test_a_look_tries_a_few_slots_at_most(tmp_path, run, monkeypatch):
 def test_an_idle_worker_moves_on_when_a_newer_version_appears(tmp_path, clock, run):
     w, store, _ = _worker(run, tmp_path)
     _publish(store, 3)
-    w._poll()
-    w.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
-    w.wait_for_work()
-    assert polled.polls == 3 and w.pointer.version == 4  # it stopped at the poll that saw v4
+    w.watch.poll()
+    w.watch.store = polled = PublishOnPoll(store, version=4, at=3)  # v4 shows at the third poll
+    w.pacer.wait(w.running_version)
+    assert polled.polls == 3 and w.watch.latest.version == 4  # it stopped at the poll that saw v4
     # The wait is counted as paced time.
-    assert w.pending_time["paced_seconds"] == pytest.approx(clock.now)
+    assert w.tally.seconds["paced_seconds"] == pytest.approx(clock.now)
 
 
 def test_new_slots_the_runs_end_or_a_stop_end_the_wait(tmp_path, clock, run):
     w, store, _ = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
-    w._poll()
+    w.watch.poll()
     _publish(store, 3, slots=3)  # a claim lapsed: more slots of the same version
-    w.wait_for_work()
-    assert w.pointer.demand.slots == 3
+    w.pacer.wait(w.running_version)
+    assert w.watch.latest.demand.slots == 3
     latest = _latest(store)
     store.put(keys.LATEST, _seal(store, keys.LATEST, Latest(3, latest.meta, done=True)))  # the end
-    w.wait_for_work()
-    assert w.done()
+    w.pacer.wait(w.running_version)
+    assert w.watch.done()
     store.put(keys.LATEST, _seal(store, keys.LATEST, latest))
     w.stop.requested = True
-    w.wait_for_work()  # returns at once
+    w.pacer.wait(w.running_version)  # returns at once
 
 
 class PublishAt(Counting):
@@ -268,35 +271,35 @@ def test_an_idle_worker_looks_a_few_times_a_version_however_long_it_takes(tmp_pa
     for gap in (0.3, 60.0):
         w, store, _ = _worker(run, tmp_path / str(gap))
         _publish(store, 3)
-        w._poll()
-        w.version_gap, w._synced_at = gap, clock.now  # it has just installed v3
-        w.store = polled = PublishAt(store, clock, at=clock.now + gap)  # v4 on time
-        w.wait_for_work()
+        w.watch.poll()
+        w.pacer.version_gap, w.pacer.synced_at = gap, clock.now  # it has just installed v3
+        w.watch.store = polled = PublishAt(store, clock, at=clock.now + gap)  # v4 on time
+        w.pacer.wait(w.running_version)
         # One look when the version is about due, then a tenth of the interval.
-        assert w.pointer.version == 4 and 2 <= polled.polls <= 3, (gap, polled.polls)
+        assert w.watch.latest.version == 4 and 2 <= polled.polls <= 3, (gap, polled.polls)
         assert set(polled.counts) == {"get"}
 
 
 def test_a_joiner_paces_its_first_wait_by_the_trainers_interval(tmp_path, clock, run):
     w, store, _ = _worker(run, tmp_path)
     _publish(store, 3)
-    meta = replace(w._poll().meta, created=clock.time() - 30.0)  # v3 came 30 s ago
-    latest = Latest(3, meta, demand=w.pointer.demand, version_seconds=60.0)
+    meta = replace(w.watch.poll().meta, created=clock.time() - 30.0)  # v3 came 30 s ago
+    latest = Latest(3, meta, demand=w.watch.latest.demand, version_seconds=60.0)
     store.put(keys.LATEST, _seal(store, keys.LATEST, latest))
-    w._poll()
-    w._synced_at = clock.now  # it has just installed v3, the first version it saw
-    assert w.version_gap is None and w.pace() == 60.0
-    w.store = polled = PublishAt(store, clock, at=clock.now + 30.0)  # v4 on time
-    w.wait_for_work()
+    w.watch.poll()
+    w.pacer.synced_at = clock.now  # it has just installed v3, the first version it saw
+    assert w.pacer.version_gap is None and w.pacer.pace() == 60.0
+    w.watch.store = polled = PublishAt(store, clock, at=clock.now + 30.0)  # v4 on time
+    w.pacer.wait(w.running_version)
     # Without the hint it would have looked ~35 times (doubling from 0.05 s to 1 s);
     # timed from its own install, not v3's publication, it would have slept past v4.
-    assert w.pointer.version == 4 and 2 <= polled.polls <= 3, polled.polls
+    assert w.watch.latest.version == 4 and 2 <= polled.polls <= 3, polled.polls
     assert clock.now < 30.0 + 6.0 + 1e-6  # woke within a tenth of the interval of v4
-    w.version_gap = 5.0
-    assert w.pace() == 5.0  # its own measure wins once it has one
-    w.version_gap = None
-    w.pointer = replace(w.pointer, version_seconds=80_000.0)
-    assert w.pace() == worker_module.HINT_SECONDS  # another's word, believed only so far
+    w.pacer.version_gap = 5.0
+    assert w.pacer.pace() == 5.0  # its own measure wins once it has one
+    w.pacer.version_gap = None
+    w.watch.latest = replace(w.watch.latest, version_seconds=80_000.0)
+    assert w.pacer.pace() == pacing_module.HINT_SECONDS  # another's word, believed only so far
 
 
 def test_idle_delays_follow_the_version_interval():
@@ -335,14 +338,14 @@ def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands, run):
 
     w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
-    w._poll()
-    w.inbox = _Outage(inbox, 3, lands)
+    w.watch.poll()
+    w.claims.inbox = _Outage(inbox, 3, lands)
     for _ in range(3):
         with pytest.raises(StoreError):
             w.claim()
     # The store is back: the one slot is still this worker's to make, whether
     # the failed puts wrote it or not (no wait for a demand that never changes).
-    assert w.claim() and w.claims == 1
+    assert w.claim() and w.claims.count == 1
     assert not w.claim()  # and only once
     assert _holders(inbox, 3) == ["w1"]
 
@@ -350,7 +353,7 @@ def test_a_claim_that_failed_in_an_outage_is_not_lost(tmp_path, lands, run):
 def test_a_slot_another_worker_holds_is_not_taken_for_ones_own(tmp_path, run):
     w, store, inbox = _worker(run, tmp_path)
     _publish(store, 3, slots=1)
-    w._poll()
+    w.watch.poll()
     inbox.put_if_absent(keys.claim_key(3, 0), _claim(keys.claim_key(3, 0), "other"))
-    w.unsure.add(keys.claim_key(3, 0))  # even after a failed put of its own
+    w.claims.unsure.add(keys.claim_key(3, 0))  # even after a failed put of its own
     assert not w.claim()

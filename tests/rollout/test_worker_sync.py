@@ -5,11 +5,9 @@ from types import SimpleNamespace
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import colonnade.rollout.worker as worker_module
-from colonnade.config import WorkerConfig
 from colonnade.protocol import Follower, Publisher
 from colonnade.protocol.signing import Signer
-from colonnade.rollout.worker import Worker
+from colonnade.rollout.weights import Weights
 from colonnade.store import LocalStore
 
 
@@ -21,7 +19,22 @@ def _versions():
     return [v0, v1, v2]
 
 
-def test_a_fetch_that_failed_half_way_still_gets_every_change_loaded(tmp_path, monkeypatch):
+class Loader:
+    """The engine loader's two calls, recorded: built once, then the keys refreshed."""
+
+    def __init__(self):
+        self.built, self.loaded = [], []
+
+    def build(self, state, version):
+        self.built.append(version)
+        return SimpleNamespace(version=version)
+
+    def refresh(self, engine, state, changed, version):
+        self.loaded.append(set(changed))
+        engine.version = version
+
+
+def test_a_fetch_that_failed_half_way_still_gets_every_change_loaded(tmp_path):
     # The follower reached v1 in a fetch that then failed (so the engine never
     # loaded v1), and v2 in the next: the engine must load what changed from
     # the state it holds (v0), "a" too, not only what v2's patch rewrote.
@@ -30,20 +43,14 @@ def test_a_fetch_that_failed_half_way_still_gets_every_change_loaded(tmp_path, m
     pub = Publisher(store, signer, "int8", anchor_every=10)
     for s in _versions():
         pub.publish(s)
-    loaded = []
-    monkeypatch.setattr(
-        worker_module, "refresh", lambda engine, state, *a: loaded.append(set(a[-2]))
-    )
-    monkeypatch.setattr(worker_module, "engine_for", lambda *a, **k: SimpleNamespace(version=0))
-    w = Worker(WorkerConfig(store=str(tmp_path), id="w1"), store)
-    w.spec = SimpleNamespace(precision="int8")
-    w.model = w.tok = w.aliases = w.device = None
-    w.follower = Follower(store, anchor_every=10, trust=signer.trust)
+    loader = Loader()
+    w = Weights(Follower(store, anchor_every=10, trust=signer.trust), loader)
     w.follower.sync(0)
-    w._load_weights()  # the engine is built on v0
+    w.load()  # the engine is built on v0
+    assert loader.built == [0] and loader.loaded == [] and w.running_version == 0
     w.follower.sync(1)  # ...the fetch that failed after this
     w.follower.sync(2)
-    w._load_weights()
-    assert loaded == [{"a", "a::scale", "b", "b::scale"}]
-    w._load_weights()  # nothing new since
-    assert loaded[-1] == set()
+    w.load()
+    assert loader.loaded == [{"a", "a::scale", "b", "b::scale"}] and w.running_version == 2
+    w.load()  # nothing new since
+    assert loader.loaded[-1] == set() and loader.built == [0]

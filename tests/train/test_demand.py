@@ -145,15 +145,15 @@ def _worker(run: Run, name):
     """A worker joined to the run (run.json read and pinned), its engine faked."""
     w = Worker(WorkerConfig(id=name, poll_seconds=0.01), run.store)
     view = open_run(run.store)
-    w.spec, w.trust, w.inbox = view.spec, view.trust, view.inbox
-    w.engine = SimpleNamespace(version=None)
+    w.wire(view.spec, view.trust, view.inbox, loader=None)
+    w.weights.engine = SimpleNamespace(version=None)
     return w
 
 
 def _make(w, run: Run) -> bool:
     """One turn of a worker: look at latest.json, run its version, claim, upload."""
-    latest = w._poll()
-    w.engine.version = latest.version
+    latest = w.watch.poll()
+    w.weights.engine.version = latest.version
     if not w.claim():
         return False
     run.inbox.put(keys.rollout_key(latest.version, w.id, w.seq), b"batch")

@@ -1,11 +1,12 @@
 """The simulated worker: the real `Worker` loop with the model taken out.
 
 `worker_class()` builds `SimWorker`, whose engine is a `SimEngine` holding
-the version its follower verified and whose batches are `Policy`'s smoke
-episodes. `shared_decode` and `shared_model` are installed by
-`simulation.run_fleet` around a whole fleet, so that work every worker would
-repeat identically (decoding a patch, initialising the model skeleton) is
-done once while each worker still makes every request it would make.
+the version its follower verified (its `SimLoader` builds one in place of
+the model) and whose batches are `Policy`'s smoke episodes. `shared_decode`
+and `shared_model` are installed by `simulation.run_fleet` around a whole
+fleet, so that work every worker would repeat identically (decoding a
+patch, initialising the model skeleton) is done once while each worker
+still makes every request it would make.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class SimEngine:
 
 def worker_class():
     """SimWorker, built on first use: the role module imports torch."""
+    from colonnade.rollout.weights import EngineLoader
     from colonnade.rollout.worker import Stop, Worker
 
     class ThreadStop(Stop):
@@ -62,31 +64,34 @@ def worker_class():
         def install(self) -> None:
             pass
 
+    class SimLoader(EngineLoader):
+        """What engine_for / refresh do, minus the model: hold the version
+        the follower verified."""
+
+        def build(self, state, version: int) -> SimEngine:
+            return SimEngine(version)
+
+        def refresh(self, engine, state, changed, version: int) -> None:
+            engine.version = version
+
     class SimWorker(Worker):
         """The real worker loop with generation replaced by `Policy`."""
+
+        loader_class = SimLoader
 
         def __init__(self, cfg, store, policy: Policy, gen_seconds: float) -> None:
             super().__init__(cfg, store)
             self.stop = ThreadStop()
             self.policy, self.gen_seconds = policy, gen_seconds
 
-        def _load_weights(self, changed: set[str] | None = None) -> None:
-            # What engine_for / refresh do, minus the model: hold the version
-            # the follower verified.
-            if self.engine is None:
-                self.engine = SimEngine(self.follower.version)
-            self.engine.version = self.follower.version
-
         def make_batch(self):
             from colonnade.protocol import GroupRecord, RolloutBatch
 
-            v = self.engine.version
+            j, v = self.joined, self.weights.engine.version
             rng = random.Random(f"{self.cfg.seed}/{self.id}/{v}/{self.seq}")
-            chosen = rng.sample(self.tasks, min(self.spec.groups_per_batch, len(self.tasks)))
+            chosen = rng.sample(j.tasks, min(j.spec.groups_per_batch, len(j.tasks)))
             groups = [
-                GroupRecord(
-                    t.id, [self.policy.episode(t, rng) for _ in range(self.spec.group_size)]
-                )
+                GroupRecord(t.id, [self.policy.episode(t, rng) for _ in range(j.spec.group_size)])
                 for t in chosen
             ]
             time.sleep(self.gen_seconds)  # the generation this batch stands for

@@ -275,8 +275,8 @@ def measure_joiner(fleet: Fleet, inner, tally: Tally, opts: FleetOptions) -> dic
     w.sync()  # the first sync: synchronous, before any generation
     seconds = time.monotonic() - t0
     read = tally.snapshot()["down"][JOINER]
-    w.prefetch.close()  # the next fetch sync() queued: not part of catching up
-    f = w.follower
+    w.weights.close()  # the next fetch sync() queued: not part of catching up
+    f = w.weights.follower
     return {
         "version": f.version,
         "bytes": read,
