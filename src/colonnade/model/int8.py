@@ -24,12 +24,26 @@ beside the arithmetic; one wider call streams the same bytes with fewer of
 them. The members keep their own codes and scales as views into the stacked
 ones, so a patch loads into them as before.
 
+Under `torch.compile` each linear is one opaque operator,
+`colonnade::int8_linear` (`Int8Linear.traced`), whose body is the eager
+path above: the compiler sees an output shape, never the kernels, so their
+choice per number of rows and their packed forms stay as they are (inductor
+cannot lower oneDNN's prepacked linear, and the choice depends on the rows
+of each call). A sibling's call is its set's (`Siblings.compute`, stacked
+or a call per member as measured) and a slice of it; `compile_options`
+has the compiler merge the set's identical calls into one. The operator is
+defined with `torch.library.Library`, not `custom_op`: a decode step calls
+it hundreds of times, and `custom_op`'s Python wrapper costs several times
+more a call.
+
 Embedding tables are gathered, not multiplied, so they run dequantized in
 float32. On CUDA/MPS the same codes run dequantized.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Mapping, Set
 
 import torch
@@ -37,6 +51,63 @@ from torch import nn
 
 from colonnade.model.kernels import ROW_BUCKETS, Kernel, bucket, planner
 from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows
+
+# Every Int8Linear and Siblings by its handle, the number a compiled graph
+# names it by (an operator's arguments are tensors and numbers, not modules).
+_HANDLES = itertools.count(1)
+_BY_HANDLE: weakref.WeakValueDictionary[int, Int8Linear | Siblings] = weakref.WeakValueDictionary()
+
+_LIB = torch.library.Library("colonnade", "FRAGMENT")
+_LIB.define("int8_linear(Tensor x, int layer, int out_features) -> Tensor")
+
+
+def _int8_linear(x: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
+    return _BY_HANDLE[layer].compute(x)
+
+
+def _int8_linear_shape(x: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_LIB.impl("int8_linear", _int8_linear, "CPU")
+torch.library.register_fake("colonnade::int8_linear", _int8_linear_shape, lib=_LIB)
+
+
+def _register(layer: Int8Linear | Siblings) -> int:
+    handle = next(_HANDLES)
+    _BY_HANDLE[handle] = layer
+    return handle
+
+
+def _merge_calls(graph: torch.fx.Graph) -> None:
+    """Identical `int8_linear` calls (a set of siblings' on one input) become
+    one. Inductor does not merge them itself (an opaque call may have
+    effects), and may give each a copy of the input of its own, so nothing
+    at run time could tell the calls apart."""
+    op = torch.ops.colonnade.int8_linear.default
+    first: dict[tuple, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is op and not node.kwargs:
+            kept = first.setdefault(node.args, node)
+            if kept is not node:
+                node.replace_all_uses_with(kept)
+                graph.erase_node(node)
+
+
+def compile_options() -> dict:
+    """Inductor options a graph over Int8Linears is compiled with
+    (`torch.compile(options=)`): `_merge_calls` among its graph passes."""
+    # Imported here: torch._inductor is slow to import, and only compiling needs it.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class MergeCalls(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            _merge_calls(graph)
+
+        def uuid(self) -> str:  # what inductor's cache keys the pass by
+            return "colonnade-merge-int8-calls-1"
+
+    return {"post_grad_custom_pre_pass": MergeCalls()}
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -77,8 +148,10 @@ class Int8Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        # Set by `Siblings`: the stacked layer this one's output comes from.
+        # Set by `Siblings`: the stacked layer this one's output comes from,
+        # and where this layer's columns start in its output.
         object.__setattr__(self, "_siblings", None)
+        object.__setattr__(self, "_offset", 0)
         self.out_features, self.in_features = codes.shape
         # Copies, never views of the state given: a worker rebuilds its next
         # version inside that state (PULSE in place) while this layer runs.
@@ -100,6 +173,7 @@ class Int8Linear(nn.Module):
         # registered a second time, under this name.
         object.__setattr__(self, "_scale", self.scale)
         object.__setattr__(self, "_bias", self.bias)
+        self.handle = _register(self)
 
     def load(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         """A newer version's codes, in place (same shapes)."""
@@ -136,8 +210,24 @@ class Int8Linear(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.traced(x)
         if self._siblings is not None:
             return self._siblings.output(self, x)
+        return self.alone(x)
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The output as a compiled graph computes it: one opaque operator
+        call (`compute`), or this sibling's columns of its set's call."""
+        group = self._siblings
+        if group is None:
+            return torch.ops.colonnade.int8_linear(x, self.handle, self.out_features)
+        every = torch.ops.colonnade.int8_linear(x, group.handle, group.layer.out_features)
+        return every[..., self._offset : self._offset + self.out_features]
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The operator's body: `alone`, a new tensor (a compiled graph may
+        write into it once it is no longer read)."""
         return self.alone(x)
 
     def alone(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,12 +296,14 @@ class Siblings:
             if m.bias is not None:
                 m.bias.data = self.layer.bias.data[rows]
             object.__setattr__(m, "_siblings", self)
+            object.__setattr__(m, "_offset", start)
             start += size
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._waiting: set[int] = set()
         self._stack: list[bool | None] = [None] * len(ROW_BUCKETS)
         self._last: tuple[int, bool] = (0, True)  # rows of the last call, and its choice
+        self.handle = _register(self)
 
     def stacked(self, rows: int) -> bool:
         """Whether a call with `rows` rows runs the stacked codes (chosen once per bucket)."""
@@ -234,6 +326,12 @@ class Siblings:
         if not self._waiting:  # every member served: hold nothing between calls
             self._input, self._outputs = None, []
         return out
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output side by side (the operator's body for the set)."""
+        if self.stacked(x.numel() // self.layer.in_features):
+            return self.layer.alone(x)
+        return torch.cat([m.alone(x) for m in self.members], dim=-1)
 
 
 def fuse_siblings(model: nn.Module) -> int:

@@ -314,51 +314,60 @@ class Planner:
 
     def _read(self) -> dict[str, str]:
         """The choices in the cache file, if it is this machine's and readable."""
-        if self.path is None or not self.path.is_file():
-            return {}
-        try:
-            doc = json.loads(self.path.read_text())
-            if doc.get("version") != CACHE_VERSION or doc.get("machine") != self.key:
-                return {}
-            return {
-                str(k): v
-                for k, v in doc.get("choices", {}).items()
-                if isinstance(v, str) and (v in KERNELS or v in STACKING)
-            }
-        except (OSError, ValueError, AttributeError) as e:
-            log.warning("kernel cache %s unreadable (%s): measuring again", self.path, e)
-            return {}
+        return read_choices(self.path, self.key, lambda v: v in KERNELS or v in STACKING)
 
     def _save(self) -> None:
-        if self.path is None:
-            return
         # Other processes on this machine (workers, an eval) write the same
         # file: keep their slots, ours win where both measured.
         merged = {**self._read(), **self.choices}
-        doc = {
-            "version": CACHE_VERSION,
-            "machine": self.key,
-            "choices": merged,
-            "timings_us": {
-                s: {k: round(v * 1e6, 1) for k, v in t.items()} for s, t in self.timings.items()
-            },
-        }
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("kernel cache %s not written (%s): choices kept in memory", self.path, e)
+        timings = {s: {k: round(v * 1e6, 1) for k, v in t.items()} for s, t in self.timings.items()}
+        if not write_choices(self.path, self.key, merged, {"timings_us": timings}):
             self.path = None
+
+
+def read_choices(path: Path | None, machine: str, valid: Callable[[str], bool]) -> dict[str, str]:
+    """{slot: choice} from a choices file (this module's layout, also the
+    compiled step's), if it is `machine`'s and readable; `valid` filters."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != CACHE_VERSION or doc.get("machine") != machine:
+            return {}
+        return {
+            str(k): v for k, v in doc.get("choices", {}).items() if isinstance(v, str) and valid(v)
+        }
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("choices file %s unreadable (%s): measuring again", path, e)
+        return {}
+
+
+def write_choices(path: Path | None, machine: str, choices: dict[str, str], extra: dict) -> bool:
+    """Write a choices file atomically; False (with a warning) if it cannot be."""
+    if path is None:
+        return False
+    doc = {"version": CACHE_VERSION, "machine": machine, "choices": choices, **extra}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        log.warning("choices file %s not written (%s): choices kept in memory", path, e)
+        return False
+
+
+def machine_slug() -> str:
+    """`machine_key()` as a file name."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", machine_key()).strip("-").lower()[:150]
 
 
 def cache_path() -> Path:
     """`<colonnade cache>/kernels/<machine>.json`."""
     from colonnade.model.loading import cache_root
 
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", machine_key()).strip("-").lower()
-    return cache_root() / "kernels" / f"{slug[:150]}.json"
+    return cache_root() / "kernels" / f"{machine_slug()}.json"
 
 
 _planners: dict[str, Planner] = {}
