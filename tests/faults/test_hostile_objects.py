@@ -245,8 +245,8 @@ def _hostile_batches() -> dict[str, tuple[bytes, str]]:
         "nested metadata": (forge({"x": _nested(1, 200)}, t), "schema"),
         "a pickle": (compress(b"\x80\x04\x95" + raw), "schema"),
         "header cut short": (compress(raw[: 8 + n // 2]), "schema"),
-        "protocol 8": (forge({**fields, "protocol": 8}, t), "protocol"),
-        "protocol 6 (the last release)": (forge({**fields, "protocol": 6}, t), "protocol"),
+        "protocol 9": (forge({**fields, "protocol": 9}, t), "protocol"),
+        "protocol 7 (the last release)": (forge({**fields, "protocol": 7}, t), "protocol"),
         "protocol 5 (PULSE format 2)": (forge({**fields, "protocol": 5}, t), "protocol"),
         "a JSON batch (protocol 2)": (compress(json.dumps(json_batch).encode()), "protocol"),
     }
@@ -318,7 +318,7 @@ def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="colonnade.trainer"):
         c.collect(0, need=1, timeout=0.2)
     (line,) = [r.getMessage() for r in caplog.records if "rejected batch" in r.getMessage()]
-    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 7" in line
+    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 8" in line
     assert "\n" not in line
 
 

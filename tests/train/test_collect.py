@@ -129,3 +129,36 @@ def test_a_long_wait_of_fast_polls_keeps_polling(tmp_path, monkeypatch):
     asks = iter(range(1, 3000))
     got = c.collect(0, need=2, stop=lambda taken: next(asks) >= 2000)
     assert got.groups == [] and len(naps) == 1999 and max(naps) <= 0.02
+
+
+def test_a_batch_must_fulfil_its_workers_claim_and_pass_the_draws(tmp_path):
+    from colonnade.protocol.documents import Claim, seal_claim
+
+    store = LocalStore(tmp_path)
+    for slot, who in ((0, "w1"), (1, "w2")):
+        key = keys.claim_key(2, slot)
+        store.put(key, seal_claim(None, RUN, key, Claim(who, 0.0)))
+
+    def batch(worker, seq, slot, task):
+        ep = EpisodeRecord([1, 2], [True, True], [-0.1, -0.2], "done")
+        b = RolloutBatch(worker, 2, seq, [GroupRecord(task, [ep, ep])], slot=slot)
+        store.put(keys.rollout_key(2, worker, seq), encode_batch(b))
+
+    batch("w1", 0, 0, "ok")  # its own claim, draws that pass
+    batch("w1", 1, 1, "ok")  # w2's slot
+    batch("w1", 2, 7, "ok")  # a slot nobody claimed
+    batch("w2", 0, 1, "forged")  # its claim, draws that do not pass
+    batch("w2", 1, 1, "ok")  # after a proven forgery: refused
+    checked = []
+
+    def check(b):
+        checked.append((b.worker, b.seq))
+        return "2 of 2 sampled tokens fall outside" if b.groups[0].task_id == "forged" else None
+
+    c = Collector(store, RUN, _rebuild, 10, 8, 1, 0.01, check_draws=check)
+    got = c.collect(2, need=5, stop=Asked(2))
+    assert [k for k in got.keys] == [keys.rollout_key(2, "w1", 0)]
+    assert c.counts["rejected_unclaimed"] == 2 and c.counts["rejected_forged"] == 1
+    assert c.counts["rejected_quarantined"] == 1
+    assert c.forged == {"w2": "2 of 2 sampled tokens fall outside"} and "w2" in c.quarantined
+    assert sorted(checked) == [("w1", 0), ("w2", 0)]  # claims first: the draws only then

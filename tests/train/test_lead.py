@@ -77,7 +77,7 @@ def test_the_starting_heartbeat_does_not_wait(tmp_path):
 def test_a_quarantine_is_written_through_an_outage_before_it_is_announced(tmp_path):
     store = Outage(LocalStore(tmp_path))
     lead, _ = _lead(tmp_path, store)
-    lead.collector = SimpleNamespace(quarantined=set())
+    lead.collector = SimpleNamespace(quarantined=set(), forged={})
     seen = []
 
     def judge(version, gates):
@@ -106,3 +106,19 @@ def test_while_waiting_the_documents_are_checked_at_best(tmp_path, caplog, monke
         lead.waiting(0, 0)  # and checks again at the next poll
     assert store.refused == [("list_times", keys.MODEL)]
     assert [r.getMessage() for r in caplog.records] == ["documents not checked: list_times refused"]
+
+
+def test_a_proven_forgery_quarantines_its_worker_at_the_next_judgement(tmp_path):
+    store = LocalStore(tmp_path)
+    lead, _ = _lead(tmp_path, store)
+    proof = "3 of 40 sampled tokens fall outside the intervals of their draws"
+    lead.collector = SimpleNamespace(quarantined={"w3"}, forged={"w3": proof})
+    lead.judge(6, {})  # no figures at all: the proof alone decides
+    doc = read_signed(store, keys.QUARANTINE, Quarantine, lead.signer.trust)
+    assert set(doc.decisions) == {"w3"} and doc.decisions["w3"].version == 6
+    assert doc.decisions["w3"].reason == f"forged: {proof}"
+    assert lead.collector.forged == {} and lead.collector.quarantined == {"w3"}
+    assert lead.publisher.quarantined == 1
+    lead.collector.forged = {"w3": "again"}
+    lead.judge(7, {})  # a worker is quarantined once
+    assert read_signed(store, keys.QUARANTINE, Quarantine, lead.signer.trust) == doc

@@ -89,8 +89,11 @@ def make_batch(groups: int, group_size: int, tokens: int, vocab: int, seed: int 
                 mask[start : start + max(1, tokens // 16)] = False
             lps = (-rng.exponential(0.6, tokens)).astype(np.float32)
             lps[~mask] = 0.0
+            below = rng.random(tokens).astype(np.float32)
+            below[~mask] = 0.0
+            finish = str(rng.choice(FINISHES))
             eps.append(
-                EpisodeRecord(ids.tolist(), mask.tolist(), lps.tolist(), str(rng.choice(FINISHES)))
+                EpisodeRecord(ids.tolist(), mask.tolist(), lps.tolist(), finish, below.tolist())
             )
         out.append(GroupRecord(f"task-{g:05d}", eps))
     return RolloutBatch("worker-1", 12, 3, out, {"reward_claimed": 0.25}, "torch")
@@ -112,7 +115,7 @@ def _encode_json(batch: RolloutBatch) -> bytes:
 
 
 def _json_episode(e, vocab: int, max_tokens: int) -> EpisodeRecord:
-    need(isinstance(e, dict) and set(e) == {"tokens", "from_model", "logprobs", "finish"},
+    need(isinstance(e, dict) and set(e) == {"tokens", "from_model", "logprobs", "finish", "below"},
          "episode fields")  # fmt: skip
     toks, mask, lps = e["tokens"], e["from_model"], e["logprobs"]
     need(isinstance(toks, list) and 0 < len(toks) <= max_tokens, "episode length")
@@ -123,14 +126,15 @@ def _json_episode(e, vocab: int, max_tokens: int) -> EpisodeRecord:
     need(all(is_number(x) and -1e4 <= x <= 0.0 for x in lps), "logprobs: finite, <= 0")
     need(mask[0] == "1", "an episode starts with a model token")
     need(e["finish"] in FINISHES, "finish")
-    return EpisodeRecord(list(toks), [c == "1" for c in mask], [float(x) for x in lps], e["finish"])
+    return EpisodeRecord(list(toks), [c == "1" for c in mask], [float(x) for x in lps], e["finish"],
+                         [float(x) for x in e["below"]])  # fmt: skip
 
 
 def _decode_json(data: bytes, vocab: int, max_tokens: int, max_raw: int) -> RolloutBatch:
     """Protocol 2's `decode_batch`, checks and all."""
     need(len(data) <= MAX_BATCH_BYTES, "batch too large")
     d = loads(untrusted.decompress(data, max_raw), max_raw)
-    need(set(d) == {"worker", "version", "seq", "groups", "stats", "engine"}, "batch fields")
+    need(set(d) == {"worker", "version", "seq", "groups", "stats", "engine", "slot"}, "fields")
     need(d["engine"] in ENGINES, "engine")
     check_worker_id(d["worker"])
     need(is_int(d["version"]) and is_int(d["seq"]), "version/seq: integers")
@@ -145,7 +149,8 @@ def _decode_json(data: bytes, vocab: int, max_tokens: int, max_raw: int) -> Roll
         out.append(
             GroupRecord(g["task_id"], [_json_episode(e, vocab, max_tokens) for e in g["episodes"]])
         )
-    return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]), d["engine"])
+    return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]), d["engine"],
+                        d["slot"])  # fmt: skip
 
 
 # -- the runs ----------------------------------------------------------------------------

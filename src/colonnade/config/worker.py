@@ -44,7 +44,6 @@ class WorkerConfig:
         None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )
     key: str = setting("", "private key file from `colonnade keys new` (signs batches)")
-    seed: int = setting(0, "seed of the worker's sampling")
 
     def check(self) -> None:
         """Settings no worker can run with: a ValueError naming them."""

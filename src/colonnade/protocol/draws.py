@@ -68,3 +68,45 @@ def outside_interval(
     p = np.exp(logprobs.astype(np.float64))
     lo = below.astype(np.float64)
     return (draws < lo - slack) | (draws >= lo + p + slack)
+
+
+def below_for(draws: np.ndarray, logprobs: np.ndarray, at: float = 0.5) -> np.ndarray:
+    """A `below` that puts each draw `at` of the way into its token's interval:
+    what a simulated worker, which makes up its tokens, reports to look honest."""
+    return np.maximum(draws - at * np.exp(logprobs.astype(np.float64)), 0.0)
+
+
+def batch_tasks(run_id: str, version: int, slot: int, train_tasks: Sequence[str], k: int):
+    """The task ids claim (version, slot) runs, in the order its groups come."""
+    return [train_tasks[i] for i in slot_tasks(run_id, version, slot, len(train_tasks), k)]
+
+
+def forged_draws(
+    batch, run_id: str, train_tasks: Sequence[str], per_batch: int, sampled: bool
+) -> str | None:
+    """Why `batch` (a decoded `RolloutBatch`) was not made by the run's
+    randomness, or None: its groups are the tasks its slot decides, and (with
+    `sampled`: a temperature above 0) every model token's draw falls in the
+    interval the batch reports for it. A honest worker never fails this."""
+    want = batch_tasks(run_id, batch.version, batch.slot, train_tasks, per_batch)
+    got = [g.task_id for g in batch.groups]
+    if got != want:
+        return f"tasks {got[:3]}... are not the ones slot {batch.slot} of v{batch.version} decides"
+    if not sampled:
+        return None
+    bad = total = 0
+    for g in batch.groups:
+        for row, ep in enumerate(g.episodes):
+            model = np.asarray(ep.from_model, dtype=bool)
+            if not model.any():
+                continue
+            key = draw_key(run_id, batch.version, batch.worker, batch.slot, g.task_id, row)
+            positions = np.flatnonzero(model)
+            u = uniforms(key, positions)
+            lp = np.asarray(ep.logprobs, dtype=np.float64)[positions]
+            below = np.asarray(ep.below, dtype=np.float64)[positions]
+            bad += int(outside_interval(u, below, lp).sum())
+            total += positions.size
+    if bad:
+        return f"{bad} of {total} sampled tokens fall outside the intervals of their draws"
+    return None

@@ -44,7 +44,9 @@ import re
 #    polls at the pace of the versions from its first look.
 # 6: patches are PULSE format 3 (an inverted rice group states its class size).
 # 7: the trainer signs what workers act on; workers write only to an inbox.
-PROTOCOL_VERSION = 7
+# 8: tokens are drawn from public randomness: a batch names its claim slot,
+#    and every token carries the probability mass below it.
+PROTOCOL_VERSION = 8
 RUN = "run.json"
 LATEST = "weights/latest.json"
 DONE = "trainer/done.json"

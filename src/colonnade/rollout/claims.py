@@ -28,6 +28,7 @@ class Claims:
         self.inbox, self.worker, self.private, self.run_id = inbox, worker, private, run_id
         self.taken: tuple[int | None, set[int]] = (None, set())  # (version, slots found taken)
         self.count = 0  # slots claimed by this process
+        self.held: tuple[int, int] | None = None  # (version, slot) of the last claim won
         # Claims whose put failed (an outage): it may have landed all the same,
         # so a retry that finds the slot taken reads whose it is.
         self.unsure: set[str] = set()
@@ -72,6 +73,7 @@ class Claims:
             if won or (key in self.unsure and self._mine(key)):
                 self.unsure.discard(key)
                 self.count += 1
+                self.held = (version, slot)
                 return True
         return False
 

@@ -41,16 +41,18 @@ def run_episodes(
     max_rows: int = 0,
     share_prefix: bool = True,
     split_replies: bool = True,
+    keys: Sequence[bytes] | None = None,
 ) -> list[Result]:
     """One episode per task (repeat a task in `tasks` for a group), scored.
 
-    `max_rows`, `share_prefix` and `split_replies` as in `Engine.generate`: a group's copies
-    of a task must be consecutive in `tasks` to share their prefill.
+    `max_rows`, `share_prefix`, `split_replies` and `keys` (one draw key per
+    episode) as in `Engine.generate`: a group's copies of a task must be
+    consecutive in `tasks` to share their prefill.
     """
     params = replace(params, stop=episode_stops(params.stop, env))
     prompts = [chat_prompt(engine.tokenizer, env.prompt(t)) for t in tasks]
     responders = [_responder(env, t) for t in tasks]
     episodes = engine.generate(
-        prompts, responders, params, seed, max_rows, share_prefix, split_replies
+        prompts, responders, params, seed, max_rows, share_prefix, split_replies, keys
     )
     return [Result(t, ep, env.score(t, ep.turns)) for t, ep in zip(tasks, episodes, strict=True)]

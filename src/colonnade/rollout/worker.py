@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import random
 import signal
 import socket
 import time
@@ -64,6 +63,7 @@ from colonnade.protocol import (
     keys,
 )
 from colonnade.protocol.documents import WorkerHeartbeat
+from colonnade.protocol.draws import batch_tasks, draw_key
 from colonnade.protocol.inbox import open_inbox
 from colonnade.protocol.model_files import ModelFileError, fetch_model
 from colonnade.protocol.schemas import MAX_JSON_BYTES, ProtocolMismatch, SchemaError
@@ -368,31 +368,34 @@ class Worker:
         """Claim a slot of the running version: whether to make a batch now."""
         return self.claims.claim(self.watch.demand, self.running_version)
 
+    def assignment(self) -> tuple[int, int, list[Task], list[bytes]]:
+        """What the claim held decides (`protocol.draws`): (version, slot, its
+        tasks in order, one draw key per episode, a group's rows together)."""
+        j = self.joined
+        v, slot = self.claims.held
+        by_id = {t.id: t for t in j.tasks}
+        ids = batch_tasks(j.spec.run_id, v, slot, list(by_id), j.spec.groups_per_batch)
+        g = j.spec.group_size
+        draws = [draw_key(j.spec.run_id, v, self.id, slot, i, row) for i in ids for row in range(g)]
+        return v, slot, [by_id[i] for i in ids], draws
+
     def make_batch(self) -> RolloutBatch:
         j, engine = self.joined, self.weights.engine
-        v = engine.version
-        rng = random.Random(f"{self.cfg.seed}/{self.id}/{v}/{self.seq}")
-        chosen = rng.sample(j.tasks, min(j.spec.groups_per_batch, len(j.tasks)))
+        v, slot, chosen, draws = self.assignment()
+        if v != engine.version:
+            raise RuntimeError(f"claimed a slot of v{v} but the engine runs v{engine.version}")
         g = j.spec.group_size
-        results = run_episodes(
-            engine,
-            j.env,
-            [t for t in chosen for _ in range(g)],
-            j.params,
-            seed=rng.randrange(1 << 31),
-        )
+        tasks = [t for t in chosen for _ in range(g)]
+        results = run_episodes(engine, j.env, tasks, j.params, keys=draws)
         groups = []
         for i, task in enumerate(chosen):
             eps = [r.episode for r in results[i * g : (i + 1) * g]]
-            groups.append(
-                GroupRecord(
-                    task.id,
-                    [EpisodeRecord(e.tokens, e.from_model, e.logprobs, e.finish) for e in eps],
-                )
-            )
+            records = [EpisodeRecord(e.tokens, e.from_model, e.logprobs, e.finish, e.below)
+                       for e in eps]  # fmt: skip
+            groups.append(GroupRecord(task.id, records))
         reward = sum(r.score.reward for r in results) / len(results)
         stats = {"reward_claimed": reward}
-        return RolloutBatch(self.id, v, self.seq, groups, stats, engine=engine.name)
+        return RolloutBatch(self.id, v, self.seq, groups, stats, engine.name, slot)
 
     def upload(self, batch: RolloutBatch) -> str:
         while True:

@@ -32,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from colonnade.protocol import ProtocolMismatch, SchemaError, decode_batch, keys
+from colonnade.protocol.documents import Claim, open_claim
 from colonnade.protocol.inbox import list_inbox
 from colonnade.protocol.polling import FLOOR, poll_interval
-from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, content_digest
+from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, RolloutBatch, content_digest
 from colonnade.protocol.signing import MAGIC, SIG_BYTES, SignatureRejected, strip_unsigned, verify
 from colonnade.store import InvalidObject, NotFound, ObjectStore, ObjectTooLarge, StoreUnavailable
 
@@ -93,6 +94,11 @@ class Collector:
     counts: Counter = field(default_factory=Counter)  # named as protocol.metrics.is_count says
     per_worker: dict[str, Counter] = field(default_factory=dict)
     keyring: dict | None = None  # worker -> public key; None: signatures not required
+    # (batch) -> why its randomness is not the run's, or None (`protocol.draws`);
+    # None: draws are not checked (a collector outside a run)
+    check_draws: Callable[[RolloutBatch], str | None] | None = None
+    forged: dict[str, str] = field(default_factory=dict)  # worker -> proof, until judged
+    claimants: dict[str, str | None] = field(default_factory=dict)  # claim key -> its worker
     seen: set[str] = field(default_factory=set)  # content digests of groups trained on
     quarantined: set[str] = field(default_factory=set)  # workers whose batches are refused
     max_raw: int = MAX_BATCH_BYTES  # decompressed bytes a batch of this run may hold
@@ -182,6 +188,16 @@ class Collector:
         batch, why = (None, ("quarantined", SchemaError("worker is quarantined")))
         if worker not in self.quarantined:
             batch, why = self._read(key, version, worker)
+        if batch is not None and self.check_draws is not None:
+            if self._claimant(batch) != worker:
+                claim = f"slot {batch.slot} of v{version}"
+                batch, why = None, ("unclaimed", SchemaError(f"{claim} is not {worker}'s claim"))
+            elif (proof := self.check_draws(batch)) is not None:
+                # One proven forgery is enough: refused from now on, quarantined
+                # at the next judgement.
+                self.forged.setdefault(worker, proof)
+                self.quarantined.add(worker)
+                batch, why = None, ("forged", SchemaError(proof))
         if batch is not None:
             fresh: set[str] = set()
             taken = [self._group(g, version, worker, fresh) for g in batch.groups]
@@ -197,6 +213,21 @@ class Collector:
             why = ("replay" if replays else "groups", SchemaError("no group was accepted"))
         out.rejected.append(key)
         return self._reject(key, worker, *why)
+
+    def _claimant(self, batch: RolloutBatch) -> str | None:
+        """Who holds the claim `batch` names (None: nobody we accept; read once)."""
+        key = keys.claim_key(batch.version, batch.slot)
+        if key not in self.claimants:
+            try:
+                data = self.store.get(key, max_bytes=Claim.MAX_BYTES)
+                self.claimants[key] = open_claim(data, key, self.run_id, self.keyring).worker
+            except StoreUnavailable:
+                raise
+            except NotFound:
+                return None  # not cached: a claim is written before its batch
+            except Exception:  # the trust boundary: not a claim we accept
+                self.claimants[key] = None
+        return self.claimants[key]
 
     def collect(
         self,

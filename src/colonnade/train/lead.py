@@ -214,9 +214,10 @@ class Lead:
                 f"{age:.0f} s ago under {self.store.url}; if it is dead, pass --takeover"
             )
 
-    def start_collecting(self, rebuild: Callable) -> None:
+    def start_collecting(self, rebuild: Callable, check_draws: Callable | None = None) -> None:
         """The collector, with what this run consumed and decided so far;
-        `rebuild(group, version)` replays a group into samples."""
+        `rebuild(group, version)` replays a group into samples, and
+        `check_draws(batch)` says why a batch's randomness is not the run's."""
         cfg, spec = self.cfg, self.spec
         consumed, seen = self._consumed()
         max_tokens = cfg.max_episode_tokens + cfg.max_turn_tokens
@@ -233,6 +234,7 @@ class Lead:
             max_raw=batch_bytes_bound(
                 spec.groups_per_batch * spec.group_size, max_tokens, spec.groups_per_batch
             ),
+            check_draws=check_draws,
         )
         self._restore_counts()
         self.quarantine.decisions = self._read_quarantine()
@@ -378,7 +380,10 @@ class Lead:
         """Quarantine after the update that made `version`: a new decision is
         written (waiting out outages) and announced by the next latest.json,
         written after quarantine.json."""
-        if not self.quarantine.judge(version, gate_by_version):
+        forged, self.collector.forged = self.collector.forged, {}
+        convicted = [self.quarantine.convict(w, proof, version) for w, proof in forged.items()]
+        judged = self.quarantine.judge(version, gate_by_version)
+        if not (any(convicted) or judged):
             return
         self.collector.quarantined = set(self.quarantine.decisions)
         self.retried.quarantine()

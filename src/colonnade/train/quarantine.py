@@ -199,6 +199,15 @@ class Ledger:
     decisions: dict[str, QuarantineDecision] = field(default_factory=dict)
     pooled: Pooled = field(default_factory=dict)  # see `pool`
 
+    def convict(self, worker: str, proof: str, version: int) -> bool:
+        """Quarantine `worker` on a proof (a batch its claim's draws did not
+        make), not on figures; True if it is a new decision."""
+        if worker in self.decisions:
+            return False
+        log.warning("quarantined worker %s at v%d: %s", worker, version, proof)
+        self.decisions[worker] = QuarantineDecision(f"forged: {proof}"[:200], version, time.time())
+        return True
+
     def judge(self, version: int, step_by_version: dict[str, dict[str, dict]]) -> bool:
         """Add the step that made `version` ({worker: {behaviour version: gate
         stats}}); quarantine the workers that now stand out. True if any."""

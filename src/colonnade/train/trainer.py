@@ -50,6 +50,7 @@ from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_t
 from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, RunSpec, keys, latest_version
+from colonnade.protocol.draws import forged_draws
 from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
@@ -264,10 +265,14 @@ class Trainer:
             self._start()
         if lead.spec.signed and not self.cfg.worker_keys:
             raise RunConflict("this run requires signed batches: pass --worker-keys")
-        train_ids = {t.id for t in self.env.tasks("train")}
-        stop = episode_stops(lead.spec.sampling["stop"], self.env)
+        train = [t.id for t in self.env.tasks("train")]
+        train_ids = set(train)
+        spec = lead.spec
+        stop = episode_stops(spec.sampling["stop"], self.env)
+        sampled = spec.sampling.get("temperature", 1.0) > 0
         lead.start_collecting(
-            lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids)
+            lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids),
+            lambda b: forged_draws(b, spec.run_id, train, spec.groups_per_batch, sampled),
         )
         if resumed:
             lead.announce_resumed(self.version)

@@ -31,16 +31,23 @@ class Policy:
             w: tokenizer.encode(f"<answer> {w}</answer>", add_special_tokens=False) for w in words
         }
 
-    def episode(self, task, rng: random.Random):
-        from colonnade.protocol import EpisodeRecord
+    def episode(self, task, key: bytes):
+        """One made-up episode whose randomness is its row's draws (`key`), with
+        the intervals an honest worker would report for them."""
+        import numpy as np
 
+        from colonnade.protocol import EpisodeRecord
+        from colonnade.protocol.draws import below_for, uniforms
+
+        rng = random.Random(key)
         word = task.answers[0]
         if rng.random() >= self.right:
             word = rng.choice([w for w in self.answers if w != word])
         ids = self.answers[word]
         # Made-up behaviour log-probs (<= 0, as the schema requires).
         logps = [round(-rng.uniform(0.01, 1.5), 4) for _ in ids]
-        return EpisodeRecord(list(ids), [True] * len(ids), logps, "done")
+        below = below_for(uniforms(key, range(len(ids))), np.array(logps))
+        return EpisodeRecord(list(ids), [True] * len(ids), logps, "done", below.tolist())
 
 
 class SimEngine:
@@ -87,16 +94,15 @@ def worker_class():
         def make_batch(self):
             from colonnade.protocol import GroupRecord, RolloutBatch
 
-            j, v = self.joined, self.weights.engine.version
-            rng = random.Random(f"{self.cfg.seed}/{self.id}/{v}/{self.seq}")
-            chosen = rng.sample(j.tasks, min(j.spec.groups_per_batch, len(j.tasks)))
+            v, slot, chosen, draws = self.assignment()
+            g = self.joined.spec.group_size
             groups = [
-                GroupRecord(t.id, [self.policy.episode(t, rng) for _ in range(j.spec.group_size)])
-                for t in chosen
+                GroupRecord(t.id, [self.policy.episode(t, draws[i * g + row]) for row in range(g)])
+                for i, t in enumerate(chosen)
             ]
             time.sleep(self.gen_seconds)  # the generation this batch stands for
             return RolloutBatch(self.id, v, self.seq, groups, {"reward_claimed": 0.0},
-                                engine=SimEngine.name)  # fmt: skip
+                                SimEngine.name, slot)  # fmt: skip
 
     return SimWorker
 

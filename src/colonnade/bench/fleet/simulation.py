@@ -56,8 +56,7 @@ class Fleet:
     def build(self, wid: str):
         from colonnade.config import WorkerConfig
 
-        cfg = WorkerConfig(id=wid, key=str(self.keydir / f"{wid}.key"), seed=self.opts.seed,
-                           join_timeout=600.0)  # fmt: skip
+        cfg = WorkerConfig(id=wid, key=str(self.keydir / f"{wid}.key"), join_timeout=600.0)
         store = WanStore(self.inner, wid, self.tally, self.link())
         return self.cls(cfg, store, self.policy, self.opts.gen_seconds)
 
@@ -268,7 +267,7 @@ def measure_joiner(fleet: Fleet, inner, tally: Tally, opts: FleetOptions) -> dic
     (run.json, model files, the pointer, the anchor, the patches)."""
     from colonnade.config import WorkerConfig
 
-    cfg = WorkerConfig(id=JOINER, key=str(fleet.keydir / f"{JOINER}.key"), seed=opts.seed)
+    cfg = WorkerConfig(id=JOINER, key=str(fleet.keydir / f"{JOINER}.key"))
     t0 = time.monotonic()
     w = fleet.cls(cfg, WanStore(inner, JOINER, tally, fleet.link()), fleet.policy, 0.0)
     w.setup()
