@@ -37,9 +37,9 @@ TRAINER_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# Without these a step on 32 SmolLM2 episodes held 12-15 GB (activations, and
-# 4096 positions' fp32 logits over a 49k vocabulary at once): a trainer beside
-# two workers and an eval was killed for memory on a 24 GB machine.
+# Without these a step on 32 SmolLM2 episodes holds its activations and every
+# position's fp32 logits over a 49k vocabulary at once: a trainer beside two
+# workers and an eval was killed for memory (docs/benchmarks.md).
 _SMOLLM2_STEP_MEMORY: dict[str, Any] = {
     "grad_ckpt": True,
     "micro_tokens": 4096,
@@ -48,7 +48,7 @@ _SMOLLM2_STEP_MEMORY: dict[str, Any] = {
 
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
-    # Under 3 minutes on 2 cores: the smoke env, a short warm start.
+    # A few minutes on a laptop: the smoke env, a short warm start.
     "smoke": {
         "env": "smoke",
         "model": "tiny",
@@ -59,8 +59,8 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "trainer": {
             "preset": "smoke",
             "max_versions": 40,
-            # 1e-3 lifts pass@1 to ~0.9 by v7, then collapses to 0 at v8;
-            # 3e-4 climbs steadily to ~0.97 (see docs/benchmarks.md).
+            # A larger rate lifts pass@1 faster and then collapses it; this
+            # one climbs steadily (docs/benchmarks.md).
             "lr": 3e-4,
             "max_lag": 2,
             "group_size": 8,
@@ -75,10 +75,10 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "eval_every": 40,
         "trainer": {
             "preset": "searchqa",
-            # Most of the lift (search use ~0.35 -> 1.0) comes by v40; later
-            # versions sharpen the copying. At 3e-4 the training pass rate
-            # peaked by v40 and then fell as Adam's noise wore the copying
-            # away; 1e-4 keeps climbing (docs/benchmarks.md).
+            # Most of the lift (search use) comes early; later versions
+            # sharpen the copying. A larger rate peaked early and then fell as
+            # Adam's noise wore the copying away; this one keeps climbing
+            # (docs/benchmarks.md).
             "max_versions": 200,
             "lr": 1e-4,
             "group_size": 8,

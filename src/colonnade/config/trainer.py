@@ -83,7 +83,7 @@ class TrainerConfig:
     )
     lr: float = setting(1e-5, "AdamW learning rate")
     # Adam's first updates move every weight by about the full rate: a smoke
-    # run at 3e-4 without warm-up collapsed at v4 (mismatch KL 1.9, rewards 0).
+    # run without warm-up collapsed within a few versions (docs/benchmarks.md).
     warmup_versions: int = setting(10, "linear warm-up of the rate over the first versions")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     temperature: float = setting(1.0, "workers' sampling temperature")

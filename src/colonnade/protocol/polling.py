@@ -2,8 +2,8 @@
 
 Both sides wait on each other through the store: a worker with nothing to
 make for the next version or demand, the trainer for rollouts. A fixed poll
-is either too slow for a smoke run (a version every ~0.3 s, where a 1 s poll
-doubled the trainer's wait) or too many requests for a GPU trainer whose
+is either too slow for a smoke run (versions a fraction of a second apart,
+where a 1 s poll doubled the trainer's wait) or too many requests for a GPU trainer whose
 step takes a minute (each poll is a billed LIST or GET on R2 or S3). So both
 follow the time between versions, which they measure as they go: the
 trainer polls at a tenth of it; an idle worker sleeps until the next version
