@@ -51,7 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "telemetry": _BELOW_PROTOCOL | {"protocol"},
     "engine": _BELOW_PROTOCOL | {"protocol"},
     "rollout": _SIDE | {"engine"},
-    "train": _SIDE,
+    "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
     "launch": _RUN,
     "cli": _RUN | {"launch"},
