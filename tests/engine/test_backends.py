@@ -53,6 +53,18 @@ def _torch_int8(tiny_dir) -> Case:
     return Case(engine, lambda ids, start: sequence_logprobs(net, ids, start), 0.1, 0.02)
 
 
+def _torch_int8_compiled(tiny_dir) -> Case:
+    # The same int8 engine with its step compiled (torch_compile.py): one
+    # graph around the int8 and cached-attention operators.
+    model, tok = load_model(tiny_dir)
+    engine = engine_for(
+        model, tok, int8_state(model), "int8", CPU, "torch", version=3, compile="on"
+    )
+    assert engine.backend.prepare(), "the compiled step did not compile"
+    net = engine.backend.model
+    return Case(engine, lambda ids, start: sequence_logprobs(net, ids, start), 0.1, 0.02)
+
+
 def _mlx_int8(tiny_dir) -> Case:
     from colonnade.engine.mlx_backend import mlx_missing
 
@@ -64,10 +76,22 @@ def _mlx_int8(tiny_dir) -> Case:
     return Case(engine, engine.backend.model.sequence_logprobs, 1e-4, 1e-4)
 
 
-CASES = {"torch-fp32": _torch_fp32, "torch-int8": _torch_int8, "mlx-int8": _mlx_int8}
+CASES = {
+    "torch-fp32": _torch_fp32,
+    "torch-int8": _torch_int8,
+    "torch-int8-compiled": _torch_int8_compiled,
+    "mlx-int8": _mlx_int8,
+}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# Cases that compile first (tens of seconds on 2 cores): in the full suite only.
+SLOW = {"torch-int8-compiled"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES],
+)
 def case(request, tiny_dir) -> Case:
     return CASES[request.param](tiny_dir)
 

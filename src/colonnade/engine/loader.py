@@ -57,14 +57,14 @@ def _torch_runs(model_type: str) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def _build_torch(model, state, precision: str, device: torch.device, aliases) -> Backend:
+def _build_torch(model, state, precision: str, device: torch.device, aliases, compile) -> Backend:
     from .torch_backend import TorchBackend
 
     load_torch(model, state, aliases, precision, device)
-    return TorchBackend(model.to(device).eval(), precision, aliases)
+    return TorchBackend(model.to(device).eval(), precision, aliases, compile)
 
 
-def _build_mlx(model, state, precision: str, device: torch.device, aliases) -> Backend:
+def _build_mlx(model, state, precision: str, device: torch.device, aliases, compile) -> Backend:
     from .mlx_backend import MlxBackend
 
     return MlxBackend.from_state(model, state, precision)
@@ -74,7 +74,9 @@ def _build_mlx(model, state, precision: str, device: torch.device, aliases) -> B
 class BackendSpec:
     runs: Callable[[str], bool]  # model_type -> does it run this architecture?
     missing: Callable[[], str | None]  # why it cannot run on this machine, or None
-    build: Callable[..., Backend]  # (float32 model, state, precision, device, aliases)
+    # (float32 model, state, precision, device, aliases, compile: off/on/auto
+    # or None, for backends that compile their step)
+    build: Callable[..., Backend]
     host_only: bool  # runs on its own device: the torch model stays on the CPU
 
 
@@ -151,14 +153,16 @@ def engine_for(
     kind: str = "torch",
     version: int = 0,
     aliases: dict[str, str] | None = None,
+    compile: str | None = None,
 ) -> Engine:
     """An engine running `state` (a prepared state at `precision`) in `model`,
     a float32 model of the run's architecture (modified in place on torch).
 
     `aliases`: `tied_aliases(model)`, taken before the model was ever loaded
-    with int8 linears (a swapped model no longer shows its ties)."""
+    with int8 linears (a swapped model no longer shows its ties). `compile`:
+    the torch backend's (`TorchBackend`)."""
     aliases = tied_aliases(model) if aliases is None else aliases
-    backend = BACKENDS[kind].build(model, state, precision, device, aliases)
+    backend = BACKENDS[kind].build(model, state, precision, device, aliases, compile)
     return Engine(backend, tokenizer, version=version)
 
 
@@ -174,11 +178,13 @@ def load_engine(
     device: str = "auto",
     version: int = 0,
     engine: str = "torch",
+    compile: str | None = None,
 ) -> Engine:
     """An engine over the model directory at `path`, at `precision`.
 
     `int8` and `bf16` run what a trainer would publish from these weights
     (`pulse.prepare`, the one quantizer); `fp32` runs them as they are.
+    `compile`: the torch backend's (`TorchBackend`).
     """
     if precision not in RUN_PRECISIONS:
         raise ValueError(
@@ -193,7 +199,7 @@ def load_engine(
     dev = torch.device("cpu") if BACKENDS[kind].host_only else pick_device(device)
     model, tok = load_model(path, dtype=torch.float32)
     if precision == "fp32" and kind == "torch":
-        return Engine(TorchBackend(model.to(dev).eval()), tok, version=version)
+        return Engine(TorchBackend(model.to(dev).eval(), compile=compile), tok, version=version)
     prepared = "exact" if precision == "fp32" else precision
     state = pulse.prepare(publishable_state(model), prepared)
-    return engine_for(model, tok, state, precision, dev, kind, version)
+    return engine_for(model, tok, state, precision, dev, kind, version, compile=compile)

@@ -6,18 +6,25 @@ in), on CUDA/MPS the codes run dequantized. The cache is transformers'
 `DynamicCache` built only of full-attention layers (sliding ones too), so
 every layer keeps every column and can be cut by column like the layout;
 windows are applied in the mask.
+
+On CPU the step can run compiled (`compile`: off, on, or auto where it
+measures faster on the machine; `torch_compile.py`), falling back to the
+eager step where the compiler fails.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Mapping, Set
 
 import numpy as np
 import torch
 
 from .layout import Block, Layout
+
+log = logging.getLogger("colonnade.engine")
 
 # Spare columns a cache layer keeps beyond what it holds (grown by half as it fills).
 ROOM = 128
@@ -190,11 +197,24 @@ def layer_windows(config) -> dict[str | None, int | None]:
 
 
 class TorchBackend:
-    """`backend.Backend` over a transformers causal LM already holding its weights."""
+    """`backend.Backend` over a transformers causal LM already holding its weights.
+
+    `compile` (off, on, auto; None: `COLONNADE_COMPILE`, else off): whether
+    steps on CPU run compiled (`torch_compile.py`), decided at the first
+    step or by `prepare`.
+    """
 
     name = "torch"
 
-    def __init__(self, model, precision: str = "fp32", aliases: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        model,
+        precision: str = "fp32",
+        aliases: Mapping[str, str] | None = None,
+        compile: str | None = None,
+    ):
+        from .torch_compile import mode_from
+
         self.model = model
         self.precision = precision
         # Tied names, taken before the model was ever loaded with int8 linears
@@ -205,11 +225,38 @@ class TorchBackend:
         # transformers 5.x renamed `past_key_values` to `cache`.
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        mode = mode_from(compile)
+        self.compile = mode if self.device.type == "cpu" else "off"
+        self._step = None  # the CompiledStep steps run through, once prepared
+        self._prepared = self.compile == "off"
 
     def new_cache(self, batch: int) -> TorchCache:
         return TorchCache(self.device)
 
+    def prepare(self) -> bool:
+        """Compile now (compile on, or auto where compiled measures faster)
+        rather than at the first step; whether steps run compiled."""
+        if not self._prepared:
+            from .torch_compile import prepared_step
+
+            self._step, self._prepared = prepared_step(self), True
+        return self._step is not None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run compiled (False until prepared)."""
+        return self._step is not None
+
     def forward(self, cache: TorchCache, block: Block, layout: Layout) -> torch.Tensor:
+        if self.prepare():
+            logits = self._step.forward(cache, block, layout)
+            if logits is not None:
+                return logits
+            self._step = None  # the compiler failed (logged): eagerly from now on
+        return self.eager_forward(cache, block, layout)
+
+    def eager_forward(self, cache: TorchCache, block: Block, layout: Layout) -> torch.Tensor:
+        """A step through transformers' eager forward."""
         out = self.model(
             input_ids=torch.from_numpy(block.ids).to(self.device),
             attention_mask=self._mask(block.allowed, layout),
