@@ -70,6 +70,7 @@ def _int8_linear_shape(x: torch.Tensor, layer: int, out_features: int) -> torch.
 
 
 _LIB.impl("int8_linear", _int8_linear, "CPU")
+_LIB.impl("int8_linear", torch.library.fallthrough_kernel, "Autograd")  # no gradients
 torch.library.register_fake("colonnade::int8_linear", _int8_linear_shape, lib=_LIB)
 
 
