@@ -9,9 +9,11 @@ from colonnade.model.kernels import KERNELS, STACKING
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 KEYS = {
-    "model", "batch", "fp32_tok_s", "int8_tok_s", "int8_apart_tok_s", "hf_generate_tok_s",
-    "fused_over_apart", "peak_rss_mb",
+    "model", "batch", "compiled", "cpu", "fp32_tok_s", "int8_tok_s", "hf_generate_tok_s",
+    "bandwidth_fraction", "peak_rss_mb",
 }  # fmt: skip
+EAGER_KEYS = KEYS | {"int8_apart_tok_s", "fused_over_apart"}
+COMPILED_KEYS = KEYS | {"compile_s", "compiled_over_eager"}
 
 
 def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys, tiny_dir):
@@ -28,13 +30,20 @@ def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys, tin
     assert groups["model"] == str(tiny_dir) and groups["group_size"] == 2
     assert groups["env"] == "smoke" and groups["tasks"] == 2 and groups["turns_mean"] >= 1
     assert groups["baseline_episodes_s"] > 0 and groups["shared_episodes_s"] > 0
-    assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 8)]
+    # Eager and compiled rows side by side, for each batch size.
+    assert [(r["model"], r["batch"], r["compiled"]) for r in rows] == [
+        ("tiny", 1, False), ("tiny", 1, True), ("tiny", 8, False), ("tiny", 8, True)
+    ]  # fmt: skip
     for r in rows:
-        assert set(r) >= KEYS
+        assert set(r) >= (COMPILED_KEYS if r["compiled"] else EAGER_KEYS)
         assert r["fp32_tok_s"] > 0 and r["int8_tok_s"] > 0 and r["hf_generate_tok_s"] > 0
-        assert r["int8_apart_tok_s"] > 0 and r["fused_over_apart"] > 0
-        assert r["peak_rss_mb"] > 0
+        assert r["peak_rss_mb"] > 0 and r["cpu"] == machine["cpu"]
         assert r["int8_bandwidth_fraction"] > 0 and r["fp32_bandwidth_fraction"] > 0
+        assert r["bandwidth_fraction"] == r["int8_bandwidth_fraction"]
+        if r["compiled"]:
+            assert r["compile_s"] > 0 and r["compiled_over_eager"] > 0
+        else:
+            assert r["int8_apart_tok_s"] > 0 and r["fused_over_apart"] > 0
     # The machine the figures come from, and the kernels this run measured
     # for every int8 linear shape of the tiny model at the rows it ran.
     assert machine["cpu"] and machine["threads"] >= 1 and machine["copy_bandwidth_gb_s"] > 0

@@ -8,12 +8,19 @@ float32, bfloat16 and int8 (the same published codes in MLX's 8-bit
 layout); and the process's peak RSS during each row. Every configuration is
 warmed up once, then timed `--repeats` times; the median is reported.
 
-It also says what machine the figures come from: the CPU model, the int8
-kernel chosen for each (shape, row bucket) (measured afresh in this run, see
-`colonnade.model.kernels`), and the memory bandwidth of a copy of a large
-array (bytes read plus bytes written, STREAM's convention), against which
-each row states the fraction the engine reaches: bytes of linear weights
-read per step × steps per second ÷ that bandwidth.
+With `--compile both` (the default) every batch size has two rows: the
+torch engines stepping eagerly (`compiled: false`) and with their step
+compiled (`compiled: true`, `colonnade.engine.torch_compile`), fp32 and
+int8 each over the same model as the eager row's, side by side in one
+run; `generate` is measured once per batch and shown in both.
+
+It also says what machine the figures come from: the CPU model (also on
+every row), the int8 kernel chosen for each (shape, row bucket) (measured
+afresh in this run, see `colonnade.model.kernels`), and the memory
+bandwidth of a copy of a large array (bytes read plus bytes written,
+STREAM's convention), against which each row states the fraction the
+engine reaches: bytes of linear weights read per step × steps per second ÷
+that bandwidth (`bandwidth_fraction`: int8's).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from colonnade.model.device import peak_memory_mb
 from colonnade.model.kernels import planner
 
 MODELS = ("tiny", "smollm2-135m")
+COMPILE_CHOICES = ("both", "off", "on")
 PROMPT = "What protein does the gene GX12 encode? Search before answering."
 
 
@@ -44,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, batches 1,8, 16 tokens")
     p.add_argument("--json", action="store_true", help="print result rows as JSON on stdout")
     p.add_argument("--no-mlx", action="store_true", help="leave out the MLX rows")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="both",
+        help="torch rows stepping eagerly (off), compiled (on), or both side by side "
+        "(default %(default)s)",
+    )
     p.add_argument(
         "--group-size",
         type=int,
@@ -109,6 +124,25 @@ def load_engines(name: str, mlx: bool) -> dict:
         for precision in ("fp32", "bf16", "int8"):
             engines[f"mlx_{precision}"] = load_engine(path, precision, engine="mlx")
     return engines
+
+
+def compiled_engines(engines: dict) -> tuple[dict, float]:
+    """({"fp32", "int8"}: the same models with their step compiled, compiled
+    now), and the seconds the int8 step took to compile."""
+    from colonnade.engine import Engine
+    from colonnade.engine.torch_backend import TorchBackend
+
+    out, seconds = {}, 0.0
+    for label in ("fp32", "int8"):
+        b = engines[label].backend
+        backend = TorchBackend(b.model, b.precision, b.aliases, compile="on")
+        t = time.perf_counter()
+        with torch.inference_mode():
+            backend.prepare()
+        if label == "int8":
+            seconds = time.perf_counter() - t
+        out[label] = Engine(backend, engines[label].tokenizer)
+    return out, seconds
 
 
 def _int8_apart(path: str):
@@ -181,8 +215,16 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(rates), peak
 
 
-def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: float = 0.0) -> dict:
-    """One row over `engines` (from `load_engines`); `generate` runs fp32's model."""
+def measure(
+    engines: dict,
+    batch: int,
+    tokens: int,
+    repeats: int,
+    bandwidth: float = 0.0,
+    hf_rate: float | None = None,
+) -> dict:
+    """One row over `engines` (from `load_engines`, or `compiled_engines`);
+    `generate` runs fp32's model, unless its rate is given (`hf_rate`)."""
     from colonnade.engine import SamplingParams
 
     fp32 = engines["fp32"]
@@ -212,7 +254,9 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
     for label, engine in engines.items():
         rates[label], peak = _time(lambda e=engine: ours(e), repeats)
         peaks.append(peak)
-    hf_rate, peak = _time(hf, repeats)
+    if hf_rate is None:
+        hf_rate, peak = _time(hf, repeats)
+        peaks.append(peak)
     row = {"batch": batch, **{f"{k}_tok_s": round(r, 1) for k, r in rates.items()}}
     row["hf_generate_tok_s"] = round(hf_rate, 1)
     row["int8_over_fp32"] = round(rates["int8"] / rates["fp32"], 2)
@@ -226,7 +270,8 @@ def measure(engines: dict, batch: int, tokens: int, repeats: int, bandwidth: flo
             steps_s = rates[label] / batch
             share = weight_bytes(engines[label].backend.model) * steps_s / bandwidth
             row[f"{label}_bandwidth_fraction"] = round(share, 3)
-    row["peak_rss_mb"] = round(max(*peaks, peak), 1)
+        row["bandwidth_fraction"] = row["int8_bandwidth_fraction"]
+    row["peak_rss_mb"] = round(max(peaks), 1)
     return row
 
 
@@ -306,9 +351,7 @@ def run(args: argparse.Namespace) -> int:
     for name in models:
         log(f"loading {name} (fp32 and int8{', and MLX' if mlx else ''})")
         engines = load_engines(name, mlx)
-        for b in batches:
-            log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
-            rows.append({"model": name, **measure(engines, b, tokens, args.repeats, bandwidth)})
+        rows += _model_rows(name, engines, batches, tokens, args, bandwidth)
         if args.group_size > 0 and not args.groups_model:
             rows.append({"model": name, **_groups(args, engines["int8"])})
     if args.group_size > 0 and args.groups_model:
@@ -327,6 +370,33 @@ def run(args: argparse.Namespace) -> int:
         print(machine_text(machine))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
+
+
+def _model_rows(name, engines, batches, tokens, args, bandwidth) -> list[dict]:
+    """Each batch's rows for one model: eager, compiled, or both (`--compile`)."""
+    from colonnade.model.kernels import cpu_model
+
+    compiled, compile_s = None, 0.0
+    if args.compile != "off":
+        log(f"{name}: compiling the torch fp32 and int8 steps")
+        compiled, compile_s = compiled_engines(engines)
+    rows = []
+    for b in batches:
+        log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
+        head = {"model": name, "cpu": cpu_model()}
+        hf_rate = None
+        if args.compile != "on":
+            row = measure(engines, b, tokens, args.repeats, bandwidth)
+            rows.append({**head, "compiled": False, **row})
+            hf_rate = row["hf_generate_tok_s"]
+        if compiled is not None:
+            row = measure(compiled, b, tokens, args.repeats, bandwidth, hf_rate)
+            on = all(e.backend.compiled for e in compiled.values())
+            row = {**head, "compiled": on, **row, "compile_s": round(compile_s, 1)}
+            if hf_rate is not None:
+                row["compiled_over_eager"] = round(row["int8_tok_s"] / rows[-1]["int8_tok_s"], 2)
+            rows.append(row)
+    return rows
 
 
 def _groups(args: argparse.Namespace, engine) -> dict:
@@ -391,11 +461,13 @@ def _mlx_or_say() -> bool:
 COLUMNS = [
     ("model", "model"),
     ("batch", "batch"),
+    ("compiled", "compiled"),
     ("ours fp32 tok/s", "fp32_tok_s"),
     ("ours int8 tok/s", "int8_tok_s"),
     ("int8 unfused tok/s", "int8_apart_tok_s"),
     ("generate tok/s", "hf_generate_tok_s"),
     ("int8/fp32", "int8_over_fp32"),
+    ("compiled/eager int8", "compiled_over_eager"),
     ("fused/unfused", "fused_over_apart"),
     ("ours fp32/generate", "ours_fp32_over_generate"),
     ("fp32 BW share", "fp32_bandwidth_fraction"),

@@ -16,9 +16,9 @@ BENCHES = {
     ),
     "rollout": (
         "tokens/s of the engines in fp32 and int8 against transformers' generate",
-        "Generated tokens/s of colonnade's torch engine (fp32 and PULSE int8), of MLX's "
-        "(fp32, bf16, int8; where installed) and of transformers' generate at the same "
-        "batch sizes, side by side, with peak RSS.",
+        "Generated tokens/s of colonnade's torch engine (fp32 and PULSE int8; its step eager "
+        "and compiled), of MLX's (fp32, bf16, int8; where installed) and of transformers' "
+        "generate at the same batch sizes, side by side, with peak RSS.",
     ),
     "trainer": (
         "one RL step in fp32, bf16, bf16 + activation checkpointing and FSDP2 on 2 ranks",
@@ -62,6 +62,15 @@ BENCHES = {
         "total: requests and bytes per worker, anchor downloads by followers, waste, the "
         "trainer's wait, objects and bytes in the store; a joiner's catch-up; the same run with "
         "--baseline-workers for the wait side by side; dollars per 1,000 versions on R2 and S3.",
+    ),
+    "verify": (
+        "proven sampling: honest rows and forgers through the free check and spot checks",
+        "A smoke run in one process (tiny model, warm-started): honest batches from the torch "
+        "int8 engine (and MLX where installed) across lags 0..max_lag, each row recomputed on "
+        "its version's published codes (false positives), forgers (token swaps, a forged "
+        "commitment, T = 1.3, v - 2 named v, episodes relabelled newer) with each one's "
+        "detection rate and batches to detection at the spot rate, the bytes `below` adds a "
+        "token, and the spot check's time against the train step's.",
     ),
 }
 
