@@ -6,13 +6,14 @@ colonnade's torch engine with float32 weights, with the PULSE int8 weights
 on the same prompt, and, where MLX is installed, of the MLX engine in
 float32, bfloat16 and int8 (the same published codes in MLX's 8-bit
 layout); and the process's peak RSS during each row. Every configuration is
-warmed up once, then timed `--repeats` times; the median is reported.
+warmed up once, then timed `--repeats` times, the configurations of a batch
+size in turn; the median is reported.
 
 With `--compile both` (the default) every batch size has two rows: the
 torch engines stepping eagerly (`compiled: false`) and with their step
 compiled (`compiled: true`, `colonnade.engine.torch_compile`), fp32 and
-int8 each over the same model as the eager row's, side by side in one
-run; `generate` is measured once per batch and shown in both.
+int8 each over the same model as the eager row's; the runs of both rows'
+engines and of `generate` (measured once, shown in both) are interleaved.
 
 It also says what machine the figures come from: the CPU model (also on
 every row), the int8 kernel chosen for each (shape, row bucket) (measured
@@ -215,19 +216,33 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(rates), peak
 
 
+def _interleaved(fns: dict, repeats: int) -> tuple[dict, float]:
+    """({label: median tokens/s}, peak RSS MB) of `fns`, which return tokens
+    generated, their runs interleaved: a shared machine's load then falls on
+    each alike, which consecutive runs per configuration do not promise."""
+    for fn in fns.values():
+        fn()  # warm-up: first calls at a shape are slower
+    rates: dict = {label: [] for label in fns}
+    peak = 0.0
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            _peak_reset()
+            t = time.perf_counter()
+            n = fn()
+            rates[label].append(n / (time.perf_counter() - t))
+            peak = max(peak, _peak_mb())
+    return {label: statistics.median(r) for label, r in rates.items()}, peak
+
+
 def measure(
-    engines: dict,
-    batch: int,
-    tokens: int,
-    repeats: int,
-    bandwidth: float = 0.0,
-    hf_rate: float | None = None,
-) -> dict:
-    """One row over `engines` (from `load_engines`, or `compiled_engines`);
-    `generate` runs fp32's model, unless its rate is given (`hf_rate`)."""
+    sides: dict[bool, dict], batch: int, tokens: int, repeats: int, bandwidth: float = 0.0
+) -> list[dict]:
+    """This batch's rows, one per side ({compiled: engines}, from `load_engines`
+    stepping eagerly and from `compiled_engines`), all their runs and
+    `generate`'s (on fp32's model) interleaved."""
     from colonnade.engine import SamplingParams
 
-    fp32 = engines["fp32"]
+    fp32 = next(iter(sides.values()))["fp32"]
     tok = fp32.tokenizer
     prompt = tok.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(max_turn_tokens=tokens, max_episode_tokens=tokens, ignore_eos=True)
@@ -250,13 +265,21 @@ def measure(
             )
         return (out.shape[1] - ids.shape[1]) * batch
 
-    rates, peaks = {}, []
-    for label, engine in engines.items():
-        rates[label], peak = _time(lambda e=engine: ours(e), repeats)
-        peaks.append(peak)
-    if hf_rate is None:
-        hf_rate, peak = _time(hf, repeats)
-        peaks.append(peak)
+    fns = {
+        (side, label): (lambda e=engine: ours(e))
+        for side, engines in sides.items()
+        for label, engine in engines.items()
+    }
+    rates, peak = _interleaved({**fns, "generate": hf}, repeats)
+    rows = []
+    for side, engines in sides.items():
+        mine = {label: rates[(side, label)] for label in engines}
+        row = _row(engines, mine, rates["generate"], batch, bandwidth)
+        rows.append({"compiled": side, **row, "peak_rss_mb": round(peak, 1)})
+    return rows
+
+
+def _row(engines: dict, rates: dict, hf_rate: float, batch: int, bandwidth: float) -> dict:
     row = {"batch": batch, **{f"{k}_tok_s": round(r, 1) for k, r in rates.items()}}
     row["hf_generate_tok_s"] = round(hf_rate, 1)
     row["int8_over_fp32"] = round(rates["int8"] / rates["fp32"], 2)
@@ -271,7 +294,6 @@ def measure(
             share = weight_bytes(engines[label].backend.model) * steps_s / bandwidth
             row[f"{label}_bandwidth_fraction"] = round(share, 3)
         row["bandwidth_fraction"] = row["int8_bandwidth_fraction"]
-    row["peak_rss_mb"] = round(max(peaks), 1)
     return row
 
 
@@ -376,25 +398,25 @@ def _model_rows(name, engines, batches, tokens, args, bandwidth) -> list[dict]:
     """Each batch's rows for one model: eager, compiled, or both (`--compile`)."""
     from colonnade.model.kernels import cpu_model
 
-    compiled, compile_s = None, 0.0
+    sides = {} if args.compile == "on" else {False: engines}
+    compile_s = 0.0
     if args.compile != "off":
         log(f"{name}: compiling the torch fp32 and int8 steps")
-        compiled, compile_s = compiled_engines(engines)
+        sides[True], compile_s = compiled_engines(engines)
     rows = []
     for b in batches:
         log(f"{name}: batch {b}, {tokens} tokens, {args.repeats} repeats")
-        head = {"model": name, "cpu": cpu_model()}
-        hf_rate = None
-        if args.compile != "on":
-            row = measure(engines, b, tokens, args.repeats, bandwidth)
-            rows.append({**head, "compiled": False, **row})
-            hf_rate = row["hf_generate_tok_s"]
-        if compiled is not None:
-            row = measure(compiled, b, tokens, args.repeats, bandwidth, hf_rate)
-            on = all(e.backend.compiled for e in compiled.values())
-            row = {**head, "compiled": on, **row, "compile_s": round(compile_s, 1)}
-            if hf_rate is not None:
-                row["compiled_over_eager"] = round(row["int8_tok_s"] / rows[-1]["int8_tok_s"], 2)
+        eager = None
+        for row in measure(sides, b, tokens, args.repeats, bandwidth):
+            row = {"model": name, "cpu": cpu_model(), **row}
+            if row["compiled"]:
+                # What the row ran: False where the compiler failed (logged).
+                row["compiled"] = all(e.backend.compiled for e in sides[True].values())
+                row["compile_s"] = round(compile_s, 1)
+                if eager is not None:
+                    row["compiled_over_eager"] = round(row["int8_tok_s"] / eager["int8_tok_s"], 2)
+            else:
+                eager = row
             rows.append(row)
     return rows
 
