@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Mapping, Set
 
 import numpy as np
 import torch
 
 from .layout import Block, Layout
-
-log = logging.getLogger("colonnade.engine")
+from .torch_compile import mode_from, prepared_step
 
 # Spare columns a cache layer keeps beyond what it holds (grown by half as it fills).
 ROOM = 128
@@ -213,8 +211,6 @@ class TorchBackend:
         aliases: Mapping[str, str] | None = None,
         compile: str | None = None,
     ):
-        from .torch_compile import mode_from
-
         self.model = model
         self.precision = precision
         # Tied names, taken before the model was ever loaded with int8 linears
@@ -237,8 +233,6 @@ class TorchBackend:
         """Compile now (compile on, or auto where compiled measures faster)
         rather than at the first step; whether steps run compiled."""
         if not self._prepared:
-            from .torch_compile import prepared_step
-
             self._step, self._prepared = prepared_step(self), True
         return self._step is not None
 
