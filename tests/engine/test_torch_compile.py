@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from colonnade.engine import Engine, SamplingParams, engine_for, torch_compile
+from colonnade.engine import Engine, SamplingParams, engine_for, refresh, torch_compile
 from colonnade.engine.torch_backend import TorchBackend
 from colonnade.model import int8_state, load_model
 
@@ -56,6 +56,31 @@ def test_compiled_episodes_equal_eager_ones_on_every_path(engines):
     # when the backend was prepared.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert compiled.backend.compiled
+
+
+def test_a_newer_state_reaches_the_compiled_step(engines, tiny_dir):
+    # A patch rewrites weights in place (codes, norms, embeddings): the graph
+    # reads them as they are at each call, nothing is compiled again.
+    eager, compiled = engines
+    tok = eager.tokenizer
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("<answer>", "GX41 binds")]
+    params = SamplingParams(temperature=0, max_turn_tokens=12, max_episode_tokens=12)
+    before = compiled.generate(prompts, [lambda t: None] * 2, params)
+    newer, _ = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.mul_(-1.5)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        refresh(compiled, int8_state(newer), None, version=1)
+        got = compiled.generate(prompts, [lambda t: None] * 2, params)
+        want = eager.generate(prompts, [lambda t: None] * 2, params)
+    finally:
+        original, _ = load_model(tiny_dir)
+        refresh(compiled, int8_state(original), None, version=0)
+    assert [e.tokens for e in got] == [e.tokens for e in want]
+    assert [e.tokens for e in got] != [e.tokens for e in before]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_auto_measures_the_step_both_ways(engines):
