@@ -50,9 +50,12 @@ def test_a_lying_worker_is_quarantined(tmp_path):
     # The trainer's key, made ahead: the workers trust it before the run exists.
     key, pub = new_keypair("trainer", tmp_path / "keys")
     cfg = tmp_path / "trainer.toml"
+    # No spot checks: they would catch this liar too (every row it sends is
+    # a proof), and this test is about the mismatch statistics
+    # (the spot checks are tested in tests/train/test_spot.py).
     cfg.write_text(
         f'store = "{root}"\nmodel = "{model}"\nmax_versions = 8\nquarantine_min_tokens = 50\n'
-        f'key = "{key}"\n'
+        f'key = "{key}"\nspot_rate = 0.0\n'
     )
     logs = {n: (tmp_path / f"{n}.log").open("w") for n in ("trainer", "honest", "liar")}
     trusting = ["--trust", str(pub)]

@@ -138,6 +138,26 @@ class TrainerConfig:
         5.0, "quarantine a worker past this many times the fleet's median mismatch (0: never)"
     )
     quarantine_min_tokens: int = setting(400, "tokens seen of a worker before it can be judged")
+    # Each checked row costs one teacher-forced pass of the published model on
+    # the trainer's CPU; the default keeps that within a tenth of a smoke step
+    # (docs/benchmarks.md, "Proven sampling").
+    spot_rate: float = setting(
+        0.05,
+        "share of rows whose sampling distribution the trainer recomputes on the published "
+        "weights of their version (spot checks; 0: off): a forged row it checks rejects its "
+        "batch and quarantines the worker",
+    )
+    # Honest engines differ by rounding, more on deeper models: the defaults
+    # stand well above the gaps measured on SmolLM2-135M (docs/benchmarks.md);
+    # a run of a model measured to differ less can lower them and catch more.
+    spot_logp_tolerance: float = setting(
+        0.2, "spot checks: a row's largest honest mean |reported - recomputed log-prob| (nats)"
+    )
+    spot_interval_tolerance: float = setting(
+        0.2,
+        "spot checks: a token's largest honest gap between its reported interval "
+        "[below, below + prob] and the recomputed one",
+    )
     seed: int = setting(0, "seed of task choice and initialisation")
 
     def check(self) -> None:
@@ -187,4 +207,7 @@ def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
         ("store_outage_seconds >= 0", c.store_outage_seconds >= 0),
         ("quarantine_factor >= 0", c.quarantine_factor >= 0),
         ("quarantine_min_tokens >= 0", c.quarantine_min_tokens >= 0),
+        ("0 <= spot_rate <= 1", 0 <= c.spot_rate <= 1),
+        ("spot_logp_tolerance > 0", c.spot_logp_tolerance > 0),
+        ("spot_interval_tolerance > 0", c.spot_interval_tolerance > 0),
     ]

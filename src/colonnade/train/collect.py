@@ -13,7 +13,8 @@ counters exist for registered ids only (an open run: for ids that have had
 a group accepted), so junk under fresh names grows no state. Whatever one object
 holds (not a file, too large, a zstd bomb, a header nested to blow the stack,
 bad schema or tensors, another protocol's batch, a signature that fails,
-episodes that do not replay), it is
+draws or spot-checked rows that prove a forgery, episodes that do not
+replay), it is
 rejected, counted under a reason, and the collector moves on; only an
 unavailable store is raised, to be retried. Replays are recognised by
 content, not bytes: a group's digest covers its task, version and token
@@ -97,6 +98,9 @@ class Collector:
     # (batch) -> why its randomness is not the run's, or None (`protocol.draws`);
     # None: draws are not checked (a collector outside a run)
     check_draws: Callable[[RolloutBatch], str | None] | None = None
+    # (batch) -> the proof that a row it recomputed is forged, or None
+    # (train/spot.py); None: no spot checks
+    spot: Callable[[RolloutBatch], str | None] | None = None
     forged: dict[str, str] = field(default_factory=dict)  # worker -> proof, until judged
     claimants: dict[str, str | None] = field(default_factory=dict)  # claim key -> its worker
     seen: set[str] = field(default_factory=set)  # content digests of groups trained on
@@ -188,16 +192,15 @@ class Collector:
         batch, why = (None, ("quarantined", SchemaError("worker is quarantined")))
         if worker not in self.quarantined:
             batch, why = self._read(key, version, worker)
-        if batch is not None and self.check_draws is not None:
-            if self._claimant(batch) != worker:
-                claim = f"slot {batch.slot} of v{version}"
-                batch, why = None, ("unclaimed", SchemaError(f"{claim} is not {worker}'s claim"))
-            elif (proof := self.check_draws(batch)) is not None:
-                # One proven forgery is enough: refused from now on, quarantined
-                # at the next judgement.
-                self.forged.setdefault(worker, proof)
-                self.quarantined.add(worker)
-                batch, why = None, ("forged", SchemaError(proof))
+        if batch is not None and self.check_draws is not None and self._claimant(batch) != worker:
+            claim = f"slot {batch.slot} of v{version}"
+            batch, why = None, ("unclaimed", SchemaError(f"{claim} is not {worker}'s claim"))
+        if batch is not None and (proof := self._forgery(batch)) is not None:
+            # One proven forgery is enough: refused from now on, quarantined
+            # at the next judgement.
+            self.forged.setdefault(worker, proof)
+            self.quarantined.add(worker)
+            batch, why = None, ("forged", SchemaError(proof))
         if batch is not None:
             fresh: set[str] = set()
             taken = [self._group(g, version, worker, fresh) for g in batch.groups]
@@ -213,6 +216,14 @@ class Collector:
             why = ("replay" if replays else "groups", SchemaError("no group was accepted"))
         out.rejected.append(key)
         return self._reject(key, worker, *why)
+
+    def _forgery(self, batch: RolloutBatch) -> str | None:
+        """The proof that `batch` was not sampled as the run says, or None:
+        its draws (every token, free), then a spot check of some rows."""
+        proof = self.check_draws(batch) if self.check_draws is not None else None
+        if proof is None and self.spot is not None:
+            proof = self.spot(batch)
+        return proof
 
     def _claimant(self, batch: RolloutBatch) -> str | None:
         """Who holds the claim `batch` names (None: nobody we accept; read once)."""

@@ -10,7 +10,8 @@ rank; rank 0 also holds a `Lead`, which it builds and calls:
     each step   the worker keys read again, the trainer's documents guarded,
                 groups collected, the ledger written, workers alive counted,
                 quarantine judged, the heartbeat, a checkpoint every N versions
-    background  the next version's demand and publication, retention, its row
+    background  the next version's demand and publication (its prepared state
+                handed to the spot checks), retention, its row
     waiting     the demand worked out again, the documents checked
     end         trainer/done.json and the last latest.json
 
@@ -70,6 +71,8 @@ from .retention import Retention
 if TYPE_CHECKING:
     import torch
 
+    from .spot import SpotChecker
+
 log = logging.getLogger("colonnade.trainer")
 # While waiting for groups, the demand is worked out again this often (a few
 # LISTs): an expired claim or a refused batch opens new slots within a version.
@@ -98,6 +101,7 @@ class Lead:
         self.spec: RunSpec | None = None
         self.signer: Signer | None = None  # once the run's id is known
         self.collector: Collector | None = None
+        self.spot: SpotChecker | None = None  # holds the published states it checks rows on
         self.quarantine = Ledger(
             QuarantineConfig(factor=cfg.quarantine_factor, min_tokens=cfg.quarantine_min_tokens)
         )
@@ -214,10 +218,17 @@ class Lead:
                 f"{age:.0f} s ago under {self.store.url}; if it is dead, pass --takeover"
             )
 
-    def start_collecting(self, rebuild: Callable, check_draws: Callable | None = None) -> None:
+    def start_collecting(
+        self,
+        rebuild: Callable,
+        check_draws: Callable | None = None,
+        spot: SpotChecker | None = None,
+    ) -> None:
         """The collector, with what this run consumed and decided so far;
-        `rebuild(group, version)` replays a group into samples, and
-        `check_draws(batch)` says why a batch's randomness is not the run's."""
+        `rebuild(group, version)` replays a group into samples,
+        `check_draws(batch)` says why a batch's randomness is not the run's,
+        and `spot` recomputes some rows on the published states this lead
+        hands it (from the newest one on)."""
         cfg, spec = self.cfg, self.spec
         consumed, seen = self._consumed()
         max_tokens = cfg.max_episode_tokens + cfg.max_turn_tokens
@@ -235,7 +246,11 @@ class Lead:
                 spec.groups_per_batch * spec.group_size, max_tokens, spec.groups_per_batch
             ),
             check_draws=check_draws,
+            spot=spot,
         )
+        self.spot = spot
+        if spot is not None and self.publisher.last is not None:
+            spot.add(self.publisher.version, self.publisher.last)
         self._restore_counts()
         self.quarantine.decisions = self._read_quarantine()
         self.collector.quarantined = set(self.quarantine.decisions)
@@ -355,6 +370,13 @@ class Lead:
         """trainer/done.json, then the latest.json workers poll, marked done."""
         write_signed(self.store, keys.DONE, Done(version, time.time()), self.signer)
         self.publisher.point(done=True)
+        if self.spot is not None:
+            log.info(
+                "spot checks: %d rows recomputed in %.1f s (%.1f s of it loading versions)",
+                self.spot.rows_checked,
+                self.spot.seconds,
+                self.spot.load_seconds,
+            )
 
     # -- each step -------------------------------------------------------------------------
     def collect(self, v: int, need: int, stop: Callable[[int], bool]) -> Collected:
@@ -460,6 +482,8 @@ class Lead:
         retried = self.retried
         demand = retried.demand(v, v, consumed=consumed)
         pub = retried.publish(state, demand)
+        if self.spot is not None:
+            self.spot.add(pub.meta.version, self.publisher.last)
         m = replace(
             row,
             deleted=retried.retention(pub.meta.version),

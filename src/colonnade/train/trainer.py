@@ -11,8 +11,9 @@ several ranks under torchrun with FSDP2 (`distributed`).
 
 Everything the trainer writes for workers is signed with its key (`--key`,
 or one kept in the local cache); workers write only to the inbox, which the
-trainer reads as hostile (train/collect.py, train/demand.py) and keeps
-bounded (train/retention.py). Between steps and while waiting it checks
+trainer reads as hostile (train/collect.py, train/demand.py; a share of
+rows recomputed on the published weights, train/spot.py) and keeps bounded
+(train/retention.py). Between steps and while waiting it checks
 that run.json, latest.json and quarantine.json are still what it wrote,
 and writes them again if anyone replaced them (`Lead.guard`).
 
@@ -55,7 +56,7 @@ from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
 from colonnade.protocol.signing import Signer, load_private, public_hex, write_private
-from colonnade.protocol.turns import episode_stops, run_sampling
+from colonnade.protocol.turns import SamplingParams, episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
 from colonnade.pulse.hashing import digest_bytes
 from colonnade.store import ObjectStore, open_store
@@ -66,6 +67,7 @@ from .lead import Lead, RunConflict
 from .loss import GateConfig
 from .policy import build_policy, full_state
 from .samples import rebuild_group
+from .spot import SpotChecker, Tolerance
 from .step import StepConfig, StepFigures, train_step
 
 log = logging.getLogger("colonnade.trainer")
@@ -273,9 +275,27 @@ class Trainer:
         lead.start_collecting(
             lambda g, v: rebuild_group(self.tok, self.env, g, v, stop, self.max_len, train_ids),
             lambda b: forged_draws(b, spec.run_id, train, spec.groups_per_batch, sampled),
+            self._spot_checker(spec),
         )
         if resumed:
             lead.announce_resumed(self.version)
+
+    def _spot_checker(self, spec: RunSpec) -> SpotChecker | None:
+        """Spot checks of the run's rows on a CPU model of its own (None: off)."""
+        cfg = self.cfg
+        if cfg.spot_rate <= 0:
+            return None
+        sampling = {**spec.sampling, "stop": tuple(spec.sampling.get("stop", ()))}
+        return SpotChecker(
+            lambda: load_model(str(self.model_dir), dtype=torch.float32)[0],
+            self.tok,
+            self.env,
+            SamplingParams(**sampling),
+            spec.precision,
+            cfg.spot_rate,
+            Tolerance(cfg.spot_logp_tolerance, cfg.spot_interval_tolerance),
+            keep=cfg.max_lag + 1,
+        )
 
     def _start(self) -> None:
         lead = self.lead

@@ -28,10 +28,10 @@ and S3. The figures measured so far are in docs/benchmarks.md.
 
 Simplifications, said once: the trainer shares the workers' process (and
 their GIL) and pays the same latency with no bandwidth cap; behaviour
-log-probs are made up, so the quarantine is off (`quarantine_factor` 0) and
-the DPPO gate masks what it masks; one tokenizer and environment are shared
-by every worker's policy, each worker's own model skeleton is dropped after
-setup.
+log-probs are made up, so the quarantine and the spot checks are off
+(`quarantine_factor`, `spot_rate` 0) and the DPPO gate masks what it
+masks; one tokenizer and environment are shared by every worker's policy,
+each worker's own model skeleton is dropped after setup.
 
 The modules, in the order a run uses them:
 

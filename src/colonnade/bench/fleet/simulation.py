@@ -181,6 +181,7 @@ def trainer_config(opts: FleetOptions, root: Path, keydir: Path):
         "groups_per_batch": opts.groups_per_batch,
         "worker_keys": str(keydir),
         "quarantine_factor": 0.0,  # made-up log-probs: every worker would drift
+        "spot_rate": 0.0,  # made-up tokens: every row checked would prove a forgery
         "seed": opts.seed,
     })  # fmt: skip
 
