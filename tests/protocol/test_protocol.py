@@ -93,8 +93,8 @@ def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
         "lengths": ("<i4", (2,)),
     }
     _, fields, _ = split(_batch())
-    assert fields == {"protocol": 8, "worker": "w1", "version": 3, "seq": 0, "slot": 0, "engine": "torch",
-                      "stats": {"reward": 0.5},
+    assert fields == {"protocol": 8, "worker": "w1", "version": 3, "seq": 0, "slot": 0,
+                      "engine": "torch", "stats": {"reward": 0.5},
                       "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
 
 

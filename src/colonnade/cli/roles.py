@@ -111,8 +111,8 @@ def _trainer(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import WorkerConfig, flag_values, load_config
-    from colonnade.protocol import ProtocolMismatch
     from colonnade.engine import BackendUnavailable, UnsupportedArchitecture
+    from colonnade.protocol import ProtocolMismatch
     from colonnade.rollout.worker import Quarantined, Worker
 
     from .main import CliError

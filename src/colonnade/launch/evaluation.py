@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from colonnade.engine import Engine, SamplingParams, engine_for, load_engine, resolve_engine
 from colonnade.envs import Environment
 from colonnade.model import load_dequantized, tied_aliases
 from colonnade.protocol import Follower, VersionError, keys
 from colonnade.protocol.model_files import fetch_model
 from colonnade.protocol.reader import open_run
-from colonnade.engine import Engine, SamplingParams, engine_for, load_engine, resolve_engine
 from colonnade.rollout.evaluate import Progress, evaluate
 from colonnade.store import ObjectStore, StoreError
 
