@@ -1,14 +1,14 @@
 """Proven sampling: honest rows against forgers, through the trainer's checks.
 
-`colonnade bench verify` runs a small synchronous-looking smoke run in one
-process (the tiny model, warm-started as `colonnade run --preset smoke`
-starts it, the smoke trainer preset's shapes): at each version the real
-engines make honest batches as a worker does (claim slots, draw keys, the
-torch int8 engine, and the MLX int8 engine where installed), forgers make
-theirs, and the trainer's side takes the batches due at that version (made
-at v − lag, lag 0..max_lag): the free check on every token, the spot check
-(`train.spot`) on rows, then a DPPO step on the honest ones, whose weights,
-published as int8, are the next version.
+`colonnade bench verify` runs a smoke run in one process, its steps one
+after another (the tiny model, warm-started as `colonnade run --preset
+smoke` starts it; that preset's shapes, rate and warm-up): at each version
+the real engines make honest batches as a worker does (claim slots, draw
+keys, the torch int8 engine, and the MLX int8 engine where installed),
+forgers make theirs, and the trainer's side takes the batches due at that
+version (made at v − lag, lag 0..max_lag): the free check on every token,
+the spot check (`train.spot`) on rows, then a DPPO step on the honest ones,
+whose weights, published as int8, are the next version.
 
 Every honest row is recomputed (rate 1) to count false positives; every
 forged row too, to know which the spot check catches when it checks it.
@@ -36,7 +36,7 @@ Per forger: `detection_rate` (the share of its batches rejected at the
 default rate: the free check's, or for the spot check the expectation from
 which rows fail when checked), `batches_to_detection` (measured: the
 collector's own choice of rows, replayed over the forged batches in order,
-many times) and the expected 1 / detection_rate beside it.
+many times) and its expectation from the per-batch rates beside it.
 """
 
 from __future__ import annotations
@@ -450,11 +450,16 @@ class Learner:
 
         return pulse.prepare(full_state(self.policy, Dist(), self.aliases), "int8")
 
-    def step(self, w: World, batches) -> float:
-        """One DPPO step on the batches' groups (replayed as the trainer
-        replays them); its seconds."""
+    def step(self, w: World, batches, version: int) -> float:
+        """The DPPO step that makes version + 1 from the batches' groups
+        (replayed as the trainer replays them), at the trainer's rate for it
+        (warm-up included); its seconds."""
         from colonnade.train.samples import rebuild_group
         from colonnade.train.step import train_step
+        from colonnade.train.trainer import warmup_lr
+
+        for group in self.opt.param_groups:
+            group["lr"] = warmup_lr(w.cfg.lr, version, w.cfg.warmup_versions)
 
         groups = []
         for b in batches:
@@ -581,7 +586,7 @@ class Bench:
                 spot += time.perf_counter() - t0
                 step.append(batch)
         if step:
-            train = self.learner.step(self.w, step)
+            train = self.learner.step(self.w, step, v)
             if v > 0:
                 self.timings.append((spot, train))
 
