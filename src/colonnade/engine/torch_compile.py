@@ -68,6 +68,16 @@ PROMPT = 16  # tokens each measured row is prefilled with
 STEPS = 6  # decode steps timed per round
 ROUNDS = 3  # rounds, eager and compiled alternating
 
+
+def inductor_options() -> dict:
+    """Inductor's options for the step: the int8 operator's (`compile_options`)
+    and its own kernels on one thread. Those are the norms, rotary and
+    residuals of a few rows: an OpenMP region per kernel costs more than it
+    saves, and on a shared machine it waits on a thread that is not running
+    (the matmuls and attention, in the operators, keep torch's threads)."""
+    return {**compile_options(), "cpp.threads": 1}
+
+
 # The session being stepped: the operator's cache and the step's modules.
 _active = threading.local()
 
@@ -156,7 +166,7 @@ class CompiledStep:
             {id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values()
         )
         self.fn = torch.compile(
-            _own_code(self._forward), dynamic=True, fullgraph=True, options=compile_options()
+            _own_code(self._forward), dynamic=True, fullgraph=True, options=inductor_options()
         )
 
     def _forward(self, ids, positions, mask):
