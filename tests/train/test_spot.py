@@ -227,3 +227,17 @@ def test_spot_settings_are_checked():
     for bad in ({"spot_rate": 1.5}, {"spot_rate": -0.1}, {"spot_logp_tolerance": 0.0}):
         with pytest.raises(ValueError, match="spot_"):
             TrainerConfig(**bad).check()
+
+
+def test_a_check_runs_on_one_thread_and_gives_the_others_back():
+    from colonnade.train.spot import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert one_thread(torch.get_num_threads) == 1
+        with pytest.raises(ZeroDivisionError):
+            one_thread(lambda: 1 / 0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

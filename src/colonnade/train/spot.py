@@ -134,6 +134,19 @@ def recompute(
     return [done[i] for i in range(len(rows))]
 
 
+def one_thread(fn, *args):
+    """`fn(*args)` on one intra-op thread: a check is a few short passes
+    (and a version's load), which a second thread slows: its
+    synchronisation costs more than it shares at this size, and far more
+    when another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _chunks(order: list[int], rows: Sequence[Row]):
     """Runs of `order` (shortest first) whose kept logits fit `LOGIT_POSITIONS`."""
     chunk: list[int] = []
@@ -229,7 +242,7 @@ class SpotChecker:
             log.info("spot check skipped: v%d is no longer held", batch.version)
             return [None] * len(chosen)
         t0 = time.perf_counter()
-        model = self._model(batch.version, state)
+        model = one_thread(self._model, batch.version, state)
         limit = model.config.max_position_embeddings
         rows: list[Row | None] = []
         for g, e in chosen:
@@ -239,7 +252,7 @@ class SpotChecker:
             rows.append(Row(prompt, ep.tokens, ep.from_model) if fits else None)
         pad = self.tokenizer.pad_token_id or 0
         live = [r for r in rows if r is not None]
-        done = iter(recompute(model, live, self.params, pad))
+        done = iter(one_thread(recompute, model, live, self.params, pad))
         out: list[RowGap | None] = []
         for (g, e), row in zip(chosen, rows, strict=True):
             if row is None:
