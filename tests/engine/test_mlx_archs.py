@@ -15,7 +15,7 @@ from colonnade.bench.engines import PROMPTS, gaps, replies
 from colonnade.engine import Engine, SamplingParams, engine_for, layout
 from colonnade.engine.session import Session
 from colonnade.engine.torch_backend import TorchBackend, layer_windows
-from colonnade.model import load_int8, tied_aliases
+from colonnade.model import kernels, load_int8, tied_aliases
 from mlx_archs import ARCHS, arch_model, arch_tokenizer
 
 # MLX computes a row the same way alone or in a batch, cached or not:
@@ -96,15 +96,22 @@ def test_torch_engine_runs_the_architecture(arch):
 # The torch engine against its own teacher-forced pass: float32 computes a
 # row the same alone or padded in a batch (stated 1e-4); int8 within the
 # kernel's batch-shape tolerance (fbgemm scales activations per call).
-TORCH_TOL = {"fp32": 1e-4, "int8": 0.05}
+# int8 runs on the float kernel here, the same arithmetic at every row
+# count: the int8 kernels a planner picks round to bf16 differently in a
+# decode step and in teacher forcing, and an MoE token whose top-k experts
+# tie within that rounding is routed differently (a gap of tenths, not a
+# layout bug). These tests are about the layout; the kernels have theirs.
+TORCH_TOL = {"fp32": 1e-4, "int8": 1e-3}
 
 
-def _torch_engine(arch: str, precision: str):
+def _torch_engine(arch: str, precision: str, monkeypatch):
     """A torch engine over the float model or its published int8 codes, and its tolerance."""
     import copy
 
     model, state = arch_model(arch)
     if precision == "int8":
+        monkeypatch.setenv(kernels.FORCE_ENV, "float")
+        monkeypatch.setattr(kernels, "_planners", {})
         model = load_int8(copy.deepcopy(model), state, tied_aliases(model))
     return Engine(TorchBackend(model, precision), arch_tokenizer()), TORCH_TOL[precision]
 
@@ -124,10 +131,10 @@ def _uneven_replies(row: int, n_turns: int):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_torch_engine_gemma3_with_padded_rows_matches_teacher_forcing(precision):
+def test_torch_engine_gemma3_with_padded_rows_matches_teacher_forcing(precision, monkeypatch):
     # Prompts of different lengths (left padding) and turns that outgrow
     # the 24-token sliding window: the window counts the row's own tokens.
-    engine, tol = _torch_engine("gemma3_text", precision)
+    engine, tol = _torch_engine("gemma3_text", precision, monkeypatch)
     params = SamplingParams(max_turn_tokens=40, max_episode_tokens=160, ignore_eos=True)
     eps = engine.generate(_prompts(engine.tokenizer), [replies(1) for _ in range(4)], params)
     assert len({len(ep.prompt_ids) for ep in eps}) > 1 and min(len(ep.tokens) for ep in eps) > 24
@@ -136,10 +143,12 @@ def test_torch_engine_gemma3_with_padded_rows_matches_teacher_forcing(precision)
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_torch_engine_tool_replies_of_different_lengths_match_teacher_forcing(arch, precision):
+def test_torch_engine_tool_replies_of_different_lengths_match_teacher_forcing(
+    arch, precision, monkeypatch
+):
     # Multi-turn: each row's replies differ in length, so every turn leaves
     # pad columns inside rows; episodes outgrow Gemma 3's window.
-    engine, tol = _torch_engine(arch, precision)
+    engine, tol = _torch_engine(arch, precision, monkeypatch)
     params = SamplingParams(max_turn_tokens=8, max_episode_tokens=200, ignore_eos=True)
     responders = [_uneven_replies(i, 3) for i in range(4)]
     eps = engine.generate(_prompts(engine.tokenizer), responders, params, seed=4)
@@ -157,7 +166,7 @@ def test_torch_engine_groups_share_a_prefill_and_refill_the_batch(arch, compact_
     # compact_min 0 the cache drops its pad columns whenever they are a
     # quarter of it (windows count real columns, which keep their order).
     monkeypatch.setattr(layout, "COMPACT_MIN", compact_min)
-    engine, tol = _torch_engine(arch, "fp32")
+    engine, tol = _torch_engine(arch, "fp32", monkeypatch)
     prompts = _prompts(engine.tokenizer, group=2)
     params = SamplingParams(max_turn_tokens=8, max_episode_tokens=120, ignore_eos=True)
     responders = [_uneven_replies(i % 4, 1 + i % 3) for i in range(len(prompts))]

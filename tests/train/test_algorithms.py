@@ -86,7 +86,7 @@ def test_on_policy_loss_is_the_policy_gradient():
 
 
 def test_warmup_lr_rises_linearly_then_holds():
-    from colonnade.train.trainer import warmup_lr
+    from colonnade.train.step import warmup_lr
 
     assert [warmup_lr(1e-3, v, 4) for v in range(6)] == pytest.approx(
         [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]

@@ -455,8 +455,7 @@ class Learner:
         (replayed as the trainer replays them), at the trainer's rate for it
         (warm-up included); its seconds."""
         from colonnade.train.samples import rebuild_group
-        from colonnade.train.step import train_step
-        from colonnade.train.trainer import warmup_lr
+        from colonnade.train.step import train_step, warmup_lr
 
         for group in self.opt.param_groups:
             group["lr"] = warmup_lr(w.cfg.lr, version, w.cfg.warmup_versions)

@@ -266,3 +266,10 @@ def _add_rows(per_worker: dict, by_version: dict, samples: Sequence[Sample], row
             w["tokens"] = w.get("tokens", 0) + int(n)
             w["kept"] = w.get("kept", 0) + int(k)
             w["kl_sum"] = w.get("kl_sum", 0.0) + float(kl)
+
+
+def warmup_lr(lr: float, version: int, warmup: int) -> float:
+    """The rate of the update that makes version + 1: linear up to `lr` over
+    `warmup` versions (a function of the version, so a resumed run goes on
+    where it was)."""
+    return lr * min(1.0, (version + 1) / warmup) if warmup > 0 else lr

@@ -68,17 +68,10 @@ from .loss import GateConfig
 from .policy import build_policy, full_state
 from .samples import rebuild_group
 from .spot import SpotChecker, Tolerance
-from .step import StepConfig, StepFigures, train_step
+from .step import StepConfig, StepFigures, train_step, warmup_lr
 
 log = logging.getLogger("colonnade.trainer")
 PING_SECONDS = 20.0  # rank 0 tells waiting ranks it lives at least this often
-
-
-def warmup_lr(lr: float, version: int, warmup: int) -> float:
-    """The rate of the update that makes version + 1: linear up to `lr` over
-    `warmup` versions (a function of the version, so a resumed run goes on
-    where it was)."""
-    return lr * min(1.0, (version + 1) / warmup) if warmup > 0 else lr
 
 
 def run_spec(cfg: TrainerConfig, files: dict[str, bytes], vocab: int, public: str) -> RunSpec:
