@@ -12,8 +12,9 @@ RUN = "r1"
 
 
 def _put(inbox, version, worker, seq, task="t1", private=None):
-    """A worker's batch in the inbox; signed with `private` when given."""
-    ep = EpisodeRecord([1, 2], [True, True], [-0.1, -0.2], "done")
+    """A worker's batch in the inbox; signed with `private` when given. Its
+    tokens differ by (version, seq): the same episodes twice are a replay."""
+    ep = EpisodeRecord([1 + seq % 8, 2 + version % 8], [True, True], [-0.1, -0.2], "done")
     batch = RolloutBatch(worker, version, seq, [GroupRecord(task, [ep, ep])])
     key = keys.rollout_key(version, worker, seq)
     data = encode_batch(batch)
@@ -65,6 +66,30 @@ def test_window_consumption_and_stale_counting(tmp_path):
     # A collector that starts from the persisted keys skips them too.
     c2 = Collector(store, RUN, _rebuild, 10, 8, 1, 0.01, consumed=set(c.consumed))
     assert c2.collect(3, need=1, stop=Asked(2)).groups == []
+
+
+def test_episodes_already_trained_and_relabelled_newer_are_a_replay(tmp_path):
+    # An attacker re-sends its accepted episodes under a newer version (and
+    # another sequence number, re-encoded): the content is the same, so the
+    # group is refused as a replay and nothing trains twice.
+    store = LocalStore(tmp_path)
+    ep = EpisodeRecord([3, 4, 5], [True, True, True], [-0.1, -0.2, -0.3], "done")
+    first = RolloutBatch("w1", 2, 0, [GroupRecord("t1", [ep, ep])])
+    store.put(keys.rollout_key(2, "w1", 0), encode_batch(first))
+    c = Collector(store, RUN, _rebuild, vocab=10, max_tokens=8, max_lag=1, poll_seconds=0.01)
+    assert len(c.collect(2, need=1, stop=Asked(2)).groups) == 1
+    relabelled = RolloutBatch("w1", 3, 7, [GroupRecord("t1", [ep, ep])])
+    store.put(keys.rollout_key(3, "w1", 7), encode_batch(relabelled))
+    got = c.collect(3, need=1, stop=Asked(2))
+    assert got.groups == [] and got.rejected == [keys.rollout_key(3, "w1", 7)]
+    assert c.counts["groups_replayed"] == 1 and c.counts["rejected_replay"] == 1
+    # Other tokens for the same task are new content.
+    other = EpisodeRecord([3, 4, 6], [True, True, True], [-0.1, -0.2, -0.3], "done")
+    store.put(
+        keys.rollout_key(3, "w1", 8),
+        encode_batch(RolloutBatch("w1", 3, 8, [GroupRecord("t1", [other, ep])])),
+    )
+    assert len(c.collect(3, need=1, stop=Asked(2)).groups) == 1
 
 
 def test_take_order_newest_first_workers_in_turn():

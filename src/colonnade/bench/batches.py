@@ -185,7 +185,7 @@ def measure(batch: RolloutBatch, vocab: int, max_tokens: int, repeats: int) -> l
         ),
         "binary-raw": (pack_batch, lambda b: unpack_batch(b, vocab, max_tokens), len, None),
     }
-    digests = [content_digest(g, batch.version) for g in batch.groups]
+    digests = [content_digest(g) for g in batch.groups]
     rows = []
     for name in FORMATS:
         encode, decode, raw_len, bound = codecs[name]
@@ -204,7 +204,7 @@ def measure(batch: RolloutBatch, vocab: int, max_tokens: int, repeats: int) -> l
             "decode_ms": _median_ms(lambda: decode(data), repeats),  # noqa: B023
             "bound_bytes": bound,
             "same_content": got == batch,
-            "same_digests": [content_digest(g, got.version) for g in got.groups] == digests,
+            "same_digests": [content_digest(g) for g in got.groups] == digests,
         })  # fmt: skip
         log(f"{name}: {len(data)} bytes, encode {rows[-1]['encode_ms']} ms, "
             f"decode {rows[-1]['decode_ms']} ms")  # fmt: skip

@@ -390,11 +390,12 @@ def batch_bytes_bound(episodes: int, max_tokens: int, groups: int | None = None)
     return min(MAX_BATCH_BYTES, need + HEADER_SLACK)
 
 
-def content_digest(group: GroupRecord, version: int) -> str:
+def content_digest(group: GroupRecord) -> str:
     """The same episodes give the same digest however they are encoded,
-    compressed, signed or named: the task, the policy version and every
-    episode's token ids, in order."""
-    h = hashlib.sha256(json.dumps([version, group.task_id]).encode())
+    compressed, signed, named or labelled: the task and every episode's
+    token ids, in order. Not the version: episodes already trained and
+    labelled with a newer version are the same episodes."""
+    h = hashlib.sha256(json.dumps(["group", group.task_id]).encode())
     for e in group.episodes:
         ids = np.asarray(e.tokens, dtype=np.int64)
         h.update(np.int64(ids.size).tobytes())

@@ -17,9 +17,11 @@ draws or spot-checked rows that prove a forgery, episodes that do not
 replay), it is
 rejected, counted under a reason, and the collector moves on; only an
 unavailable store is raised, to be retried. Replays are recognised by
-content, not bytes: a group's digest covers its task, version and token
-ids, so the same episodes re-encoded or re-signed under another name are a
-replay, and a digest is remembered only once its group is accepted, so a
+content, not bytes: a group's digest covers its task and token ids, not
+its version, so the same episodes re-encoded, re-signed under another name
+or relabelled with a newer version are a replay (an honest group that
+repeats an earlier one token for token is refused too: it would train the
+same tokens twice), and a digest is remembered only once its group is accepted, so a
 rejected copy cannot shut out the original. When two workers send the same
 episodes, the first accepted wins and the other is counted as a replay.
 """
@@ -167,7 +169,7 @@ class Collector:
     def _group(self, g: GroupRecord, version: int, worker: str, fresh: set[str]):
         """(samples, None), or (None, "replay" | "rejected"), counted."""
         stats = self._stats(worker)
-        d = content_digest(g, version)
+        d = content_digest(g)
         if d in self.seen or d in fresh:
             self.counts["groups_replayed"] += 1
             stats["groups_replayed"] += 1
