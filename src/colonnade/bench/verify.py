@@ -1,8 +1,9 @@
 """Proven sampling: honest rows against forgers, through the trainer's checks.
 
-`colonnade bench verify` runs a smoke run in one process, its steps one
-after another (the tiny model, warm-started as `colonnade run --preset
-smoke` starts it; that preset's shapes, rate and warm-up): at each version
+`colonnade bench verify` runs a preset's run in one process (`--preset
+smoke`, the default, or `demo`), its steps one after another (its model,
+warm-started as `colonnade run --preset` starts it where the preset does;
+that preset's shapes, rate and warm-up): at each version
 the real engines make honest batches as a worker does (claim slots, draw
 keys, the torch int8 engine, and the MLX int8 engine where installed),
 forgers make theirs, and the trainer's side takes the batches due at that
@@ -27,14 +28,15 @@ The forgers (each makes one batch per version it can):
 - `hot`: samples at T = 1.3 when the run says 1.0, its reports those of
   the distribution it sampled (every draw falls inside).
 - `stale`: runs v − 2 while naming v, its reports v − 2's.
-- `relabel`: a batch already made at v − 1 labelled v: the same episodes
-  under v's draws, every interval moved over its new draw. Its groups keep
-  their tasks (as if v's slot had decided those: the free check refuses
-  other tasks).
+- `relabel`: the batch trained last, labelled v: the same episodes under
+  v's draws, every interval moved over its new draw. Its groups keep their
+  tasks (as if v's slot had decided those: the free check refuses other
+  tasks). The collector's replay check refuses it (a group's content digest
+  leaves out its version); its spot-check figures are shown beside.
 
 Per forger: `detection_rate` (the share of its batches rejected at the
-default rate: the free check's, or for the spot check the expectation from
-which rows fail when checked), `batches_to_detection` (measured: the
+default rate: the free check's or the replay check's, or for the spot check
+the expectation from which rows fail when checked), `batches_to_detection` (measured: the
 collector's own choice of rows, replayed over the forged batches in order,
 many times) and its expectation from the per-batch rates beside it.
 """
@@ -57,6 +59,7 @@ RUN, WORKER = "bench-verify", "honest"
 SWAP_SHARE = 0.01
 HOT = 1.3
 TRIALS = 2000  # replays of the row choice per forger
+PRESETS = ("smoke", "demo")  # run presets of the model sizes the spot rate is set for
 
 
 @dataclass
@@ -69,13 +72,15 @@ class Options:
     mlx: bool = True
     warmstart: bool = True
     seed: int = 0
+    preset: str = "smoke"  # the run preset whose settings and model the bench takes
+    model: str | None = None  # honest rows only, on this model (`gaps_bench`)
 
 
 @dataclass
 class World:
     """What every part of the bench shares: the run's settings and model."""
 
-    cfg: object  # TrainerConfig of the smoke run
+    cfg: object  # TrainerConfig of the preset's run
     tok: object
     env: object
     model_dir: str
@@ -84,13 +89,14 @@ class World:
     by_id: dict = field(default_factory=dict)
 
 
-def smoke_config(opts: Options):
-    """The trainer's settings of `colonnade run --preset smoke`."""
+def preset_config(opts: Options):
+    """The trainer's settings of `colonnade run --preset <opts.preset>`."""
     from colonnade.config import TrainerConfig
     from colonnade.config.presets import RUN_PRESETS, TRAINER_PRESETS
 
-    run = {k: v for k, v in RUN_PRESETS["smoke"]["trainer"].items() if k != "preset"}
-    cfg = TrainerConfig(**{**TRAINER_PRESETS["smoke"], **run})
+    trainer = RUN_PRESETS[opts.preset]["trainer"]
+    run = {k: v for k, v in trainer.items() if k != "preset"}
+    cfg = TrainerConfig(**{**TRAINER_PRESETS[trainer.get("preset", opts.preset)], **run})
     for name, value in (
         ("spot_rate", opts.rate),
         ("spot_logp_tolerance", opts.logp_tolerance),
@@ -102,9 +108,9 @@ def smoke_config(opts: Options):
     return cfg
 
 
-def smoke_model(opts: Options, env) -> str:
-    """The tiny model a smoke run starts from: warm-started as `colonnade run
-    --preset smoke` does (cached), or as initialised."""
+def preset_model(opts: Options, env) -> str:
+    """The model the preset's run starts from: warm-started as `colonnade run
+    --preset` does (cached) where the preset warm-starts, else as initialised."""
     from functools import partial
 
     from colonnade.config.presets import RUN_PRESETS
@@ -112,25 +118,28 @@ def smoke_model(opts: Options, env) -> str:
     from colonnade.model import resolve_model
     from colonnade.train.warmstart import WarmstartConfig, warmstart
 
-    if not opts.warmstart:
-        return resolve_model("tiny", partial(tokenizer_texts_of, env))
-    run = RUN_PRESETS["smoke"]
+    run = RUN_PRESETS[opts.preset]
+    if not opts.warmstart or "warmstart_steps" not in run:
+        return resolve_model(run["model"], partial(tokenizer_texts_of, env))
     ws = WarmstartConfig(
-        model="tiny", env=env.name, good_fraction=run["good_fraction"], steps=run["warmstart_steps"]
+        model=run["model"],
+        env=env.name,
+        good_fraction=run["good_fraction"],
+        steps=run["warmstart_steps"],
     )
     return str(warmstart(ws)[0])
 
 
 def world(opts: Options, model_dir: str | None = None) -> World:
-    """The smoke run's settings, environment and model (`model_dir`: another
-    model than the smoke run's, of a tokenizer that covers the environment)."""
+    """The preset run's settings, environment and model (`model_dir`: another
+    model than the run's, of a tokenizer that covers the environment)."""
     from colonnade.envs import load_environment
     from colonnade.model import load_model
     from colonnade.protocol.turns import episode_stops, run_sampling
 
-    cfg = smoke_config(opts)
+    cfg = preset_config(opts)
     env = load_environment(cfg.env)
-    model_dir = model_dir or smoke_model(opts, env)
+    model_dir = model_dir or preset_model(opts, env)
     _, tok = load_model(model_dir)
     params = run_sampling(cfg)
     params = replace(params, stop=episode_stops(params.stop, env))
@@ -330,16 +339,20 @@ class Forged:
     free: bool
     caught: dict  # (group, episode) -> refused when checked
     gaps: list  # the forged rows' RowGaps
+    replayed: bool = False  # every group's content already trained (the collector's replay check)
 
 
 @dataclass
 class Forger:
     name: str
-    caught_by: str  # "free check" or "spot check"
+    caught_by: str  # "free check", "spot check" or "replay check"
     batches: list[Forged] = field(default_factory=list)
 
-    def add(self, checker, batch, rows=None) -> None:
-        """A forged batch; `rows`: its forged rows (default: every row the model wrote in)."""
+    def add(self, checker, batch, rows=None, trained: set | None = None) -> None:
+        """A forged batch; `rows`: its forged rows (default: every row the
+        model wrote in); `trained`: content digests of the groups trained so far."""
+        from colonnade.protocol.schemas import content_digest
+
         if rows is None:
             rows = [(g, e) for g, grp in enumerate(batch.groups)
                     for e, ep in enumerate(grp.episodes) if any(ep.from_model)]  # fmt: skip
@@ -349,13 +362,16 @@ class Forger:
         caught = {r: gap is not None and gap.fails(checker.tolerance)
                   for r, gap in zip(rows, gaps, strict=True)}  # fmt: skip
         found = [gap for gap in gaps if gap is not None]
-        self.batches.append(Forged(batch, bool(rows_outside(batch)), caught, found))
+        replayed = trained is not None and all(content_digest(g) in trained for g in batch.groups)
+        self.batches.append(Forged(batch, bool(rows_outside(batch)), caught, found, replayed))
 
     def refused(self, chooser, f: Forged) -> bool:
         """Whether the trainer refuses `f` once: the free check, or a spot
         check of the rows `chooser` (the collector's `SpotChecker`) picks."""
         if self.caught_by == "free check":
             return f.free
+        if self.caught_by == "replay check":
+            return f.replayed
         return any(f.caught.get(r, False) for r in chooser.choose(f.batch))
 
     def summary(self, chooser) -> dict:
@@ -363,6 +379,8 @@ class Forger:
         rows = [c for f in self.batches for c in f.caught.values()]
         if self.caught_by == "free check":
             per_batch = [float(f.free) for f in self.batches]
+        elif self.caught_by == "replay check":
+            per_batch = [float(f.replayed) for f in self.batches]
         else:
             per_batch = [1 - math.prod(1 - rate * c for c in f.caught.values())
                          for f in self.batches]  # fmt: skip
@@ -505,7 +523,7 @@ FORGERS = (
     ("swap-forged", "spot check"),
     ("hot", "spot check"),
     ("stale", "spot check"),
-    ("relabel", "spot check"),
+    ("relabel", "replay check"),
 )
 
 
@@ -527,7 +545,8 @@ class Bench:
     # (spot check seconds, train step seconds) of each step after the first
     # (which builds the checker's model and warms the step up)
     timings: list = field(default_factory=list)
-    previous: object = None  # the last version's base batch, for the relabeller
+    previous: object = None  # the batch trained last, for the relabeller
+    trained: set = field(default_factory=set)  # content digests of the groups trained on
 
     def queue(self, batch, version: int, trained: bool) -> None:
         """An honest batch, taken at a lag of 0..max_lag (in turn)."""
@@ -570,8 +589,8 @@ class Bench:
             stale = make_batch(w, self.engines["stale"], v - 2, [slot + 2], label=v)[0]
             f["stale"].add(self.full, stale)
         if self.previous is not None:
-            f["relabel"].add(self.full, relabelled(w, truth_model, self.previous, v))
-        self.previous = base
+            again = relabelled(w, truth_model, self.previous, v)
+            f["relabel"].add(self.full, again, trained=self.trained)
 
     def trainer(self, v: int) -> None:
         """The batches due at v: checked (every row, and at the default rate
@@ -585,6 +604,10 @@ class Bench:
                 spot += time.perf_counter() - t0
                 step.append(batch)
         if step:
+            from colonnade.protocol.schemas import content_digest
+
+            self.trained.update(content_digest(g) for b in step for g in b.groups)
+            self.previous = step[-1]
             train = self.learner.step(self.w, step, v)
             if v > 0:
                 self.timings.append((spot, train))
@@ -624,13 +647,64 @@ def run_bench(opts: Options) -> dict:
     return report(b, time.perf_counter() - t0)
 
 
+def gaps_bench(opts: Options) -> dict:
+    """Honest rows only, on `opts.model` as published at v0 (no training):
+    how far each engine's rows stand from the trainer's recomputation, at
+    the batch shapes a worker runs (one slot a run, then two). The gaps of
+    a model deeper than the tiny one are what the tolerances must clear."""
+    from colonnade.engine.mlx_backend import mlx_missing
+    from colonnade.model import load_model, resolve_model, tied_aliases
+    from colonnade.pulse import prepare
+    from colonnade.train.distributed import Dist
+    from colonnade.train.policy import full_state
+
+    t0 = time.perf_counter()
+    w = world(replace(opts, warmstart=False), resolve_model(opts.model))
+    model, _ = load_model(w.model_dir, dtype=torch.float32)
+    state = prepare(full_state(model, Dist(), tied_aliases(model)), "int8")
+    engines = {"torch": engine_at(w, state, 0)}
+    if opts.mlx and mlx_missing() is None:
+        engines["mlx"] = engine_at(w, state, 0, "mlx")
+    checker = spot_checker(w, 1.0)
+    checker.add(0, state)
+    honest = Honest()
+    per_batch = w.cfg.groups_per_batch * w.cfg.group_size
+    slot, turn = 0, 0
+    while honest.rows < opts.rows:
+        kind = list(engines)[turn % len(engines)]
+        slots = [slot] if turn % 4 < 2 else [slot, slot + 1]
+        for b in make_batch(w, engines[kind], 0, slots):
+            honest.add(w, checker, b)
+        slot, turn = slot + len(slots), turn + 1
+        _log(f"{honest.rows} of {opts.rows} honest rows ({per_batch} a batch)")
+    return {
+        "machine": "see docs/benchmarks.md",
+        "model": opts.model,
+        "tolerance": {"logp": w.cfg.spot_logp_tolerance, "interval": w.cfg.spot_interval_tolerance},
+        "honest_rows": honest.rows,
+        "honest_tokens": honest.tokens,
+        "false_positives": honest.false_positives,
+        "honest_gaps": {k: _rounded(g) for k, g in sorted(honest.gaps.items())},
+        "check_rows_per_second": round(checker.rows_checked / max(checker.seconds, 1e-9), 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def report(b: Bench, seconds: float) -> dict:
+    from colonnade.config.presets import RUN_PRESETS
+
     c, h = b.w.cfg, b.honest
     added, tokens = (sum(x) for x in zip(*h.below_bytes, strict=True))
     spot, train = (sum(x) for x in zip(*b.timings, strict=True)) if b.timings else (0.0, 0.0)
     return {
         "machine": "see docs/benchmarks.md",
-        "model": "tiny, warm-started as --preset smoke" if b.opts.warmstart else "tiny",
+        "preset": b.opts.preset,
+        "model": RUN_PRESETS[b.opts.preset]["model"]
+        + (
+            ", warm-started"
+            if b.opts.warmstart and "warmstart_steps" in RUN_PRESETS[b.opts.preset]
+            else ""
+        ),
         "versions": b.opts.versions,
         "max_lag": c.max_lag,
         "rows_per_batch": c.groups_per_batch * c.group_size,
@@ -645,6 +719,8 @@ def report(b: Bench, seconds: float) -> dict:
         "spot_seconds_per_step": round(spot / max(1, len(b.timings)), 4),
         "train_seconds_per_step": round(train / max(1, len(b.timings)), 4),
         "check_rows_per_second": round(b.full.rows_checked / max(b.full.seconds, 1e-9), 1),
+        # of the collector's spot-check time, the share spent loading versions
+        "spot_load_fraction": round(b.collector.load_seconds / max(b.collector.seconds, 1e-9), 3),
         "forgers": [f.summary(b.collector) for f in b.forgers.values()],
         "seconds": round(seconds, 1),
     }
@@ -666,6 +742,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval-tolerance", type=float, default=None, help="(default: the trainer's)"
     )
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="smoke",
+        help="the run preset whose settings, environment and model the bench takes (default smoke)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="honest rows only, on this model (a preset such as smollm2-135m, or a folder) "
+        "as published, untrained: each engine's gaps, which the tolerances must clear",
+    )
     p.add_argument("--no-mlx", action="store_true", help="honest rows from torch only")
     p.add_argument(
         "--no-warmstart", action="store_true", help="the tiny model as initialised (quicker)"
@@ -684,7 +772,13 @@ def run(args: argparse.Namespace) -> int:
         args.interval_tolerance,
         not args.no_mlx,
         not args.no_warmstart,
+        preset=args.preset,
+        model=args.model,
     )
+    if opts.model is not None:
+        out = gaps_bench(opts)
+        print(json.dumps(out, indent=2))
+        return 0
     out = run_bench(opts)
     print(json.dumps(out, indent=2) if args.json else markdown(out))
     return 0

@@ -65,10 +65,11 @@ BENCHES = {
     ),
     "verify": (
         "proven sampling: honest rows and forgers through the free check and spot checks",
-        "A smoke run in one process (tiny model, warm-started): honest batches from the torch "
+        "A preset's run in one process (--preset smoke or demo): honest batches from the torch "
         "int8 engine (and MLX where installed) across lags 0..max_lag, each row recomputed on "
         "its version's published codes (false positives), forgers (token swaps, a forged "
-        "commitment, T = 1.3, v - 2 named v, episodes relabelled newer) with each one's "
+        "commitment, T = 1.3, v - 2 named v, episodes already trained relabelled newer) with "
+        "each one's "
         "detection rate and batches to detection at the spot rate, the bytes `below` adds a "
         "token, and the spot check's time against the train step's.",
     ),

@@ -77,6 +77,8 @@ class TrainerRow:
     step_seconds: float = 0.0  # from the start of collection to the background hand-off
     wait_fraction: float = 0.0  # wait_seconds / step_seconds
     publish_blocked_seconds: float = 0.0  # waiting for the previous background publication
+    spot_rows: int = 0  # rows the spot checks recomputed during this step's collection
+    spot_seconds: float = 0.0  # the time they took (part of step_seconds)
     peak_mem_mb: float = 0.0  # peak device (or resident) memory
     # the publication (background)
     deleted: int = 0  # objects retention deleted after publishing

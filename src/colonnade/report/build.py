@@ -228,6 +228,9 @@ def _report(store, launch, spec: RunSpec | None, rows, versions, workers, consum
         "trainer_publish_blocked_fraction": _share(
             [r.publish_blocked_seconds for r in rows], step_s
         ),
+        # The share of step time the spot checks took (the rows they recomputed).
+        "trainer_spot_fraction": _share([r.spot_seconds for r in rows], step_s),
+        "spot_rows": sum(r.spot_rows for r in rows),
         "publish_seconds_median": _median(r.publish_seconds for r in rows),
         "max_lag": spec.max_lag if spec else None,
         "series": _series(rows, t0),

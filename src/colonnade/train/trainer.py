@@ -365,6 +365,8 @@ class Trainer:
         v = self.version
         counts = lead.collector.counts
         before = counts["batches_rejected"] + counts["groups_rejected"]
+        spot = lead.spot
+        spot_before = (spot.rows_checked, spot.seconds) if spot is not None else (0, 0.0)
         need = self.cfg.groups_per_step
         got = lead.collect(v, need, stop=lambda n: self._waiting(v, n))
         if len(got.groups) < need:
@@ -398,6 +400,8 @@ class Trainer:
             step_seconds=round(step_seconds, 3),
             wait_fraction=round(got.wait_seconds / max(step_seconds, 1e-9), 4),
             publish_blocked_seconds=round(blocked, 3),
+            spot_rows=spot.rows_checked - spot_before[0] if spot is not None else 0,
+            spot_seconds=round(spot.seconds - spot_before[1], 4) if spot is not None else 0.0,
             peak_mem_mb=round(peak_memory_mb(self.where.device), 1),
         )
         # The demand for v+1 is worked out in the background, against what was
