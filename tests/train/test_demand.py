@@ -23,9 +23,13 @@ from colonnade.rollout.worker import Worker
 from colonnade.store import LocalStore
 from colonnade.train.collect import take_order
 from colonnade.train.demand import (
+    LEASE_FACTOR,
+    MAX_LEASE_FACTOR,
     Planner,
     SeenClaim,
+    claim_times,
     horizon,
+    lease_for,
     new_slots,
     pending,
     wanted_groups,
@@ -77,6 +81,27 @@ def test_a_restarted_workers_old_claim_lapses_at_once():
     assert pending(claims, Counter(), now=3.0, lease=100.0) == [_c(5, 3, "a", 2.0)]
     # A claim that did not read holds nothing.
     assert pending([_c(5, 1, None, 1.0)], Counter(), now=2.0, lease=100.0) == []
+
+
+def test_claim_to_batch_times_pair_a_workers_claims_and_batches_in_order():
+    claims = [_c(3, 0, "a", 10.0), _c(3, 2, "a", 30.0), _c(3, 1, "b", 12.0), _c(4, 0, "a", 50.0)]
+    batches = {(3, "a"): [45.0, 20.0], (3, "b"): [100.0]}  # store times, any order
+    assert claim_times(claims, batches) == {(3, 0, "a"): 10.0, (3, 2, "a"): 15.0, (3, 1, "b"): 88.0}
+    # A claim not yet fulfilled has no time; a claim that did not read holds none.
+    assert claim_times([_c(3, 0, None, 1.0)], {(3, "a"): [2.0]}) == {}
+
+
+def test_a_workers_lease_follows_its_slowest_recent_batch_within_bounds():
+    base = 120.0
+    assert lease_for([], base) == base  # not measured: the run's claim_seconds
+    assert lease_for([5.0, 8.0], base) == base  # fast: never below the base
+    assert lease_for([30.0, 200.0, 90.0], base) == LEASE_FACTOR * 200.0  # a slow Mac keeps claims
+    assert lease_for([1e6], base) == MAX_LEASE_FACTOR * base  # bounded
+    # pending takes each worker's lease: at age 150 s the slow worker's claim
+    # still flies, the fast one's has lapsed.
+    claims = [_c(3, 0, "slow", 0.0), _c(3, 1, "fast", 0.0)]
+    leases = {"slow": lease_for([200.0], base), "fast": lease_for([5.0], base)}
+    assert pending(claims, Counter(), now=150.0, lease=leases.__getitem__) == [claims[0]]
 
 
 def test_claims_and_demand_read_only_as_their_types():
@@ -238,6 +263,33 @@ def test_a_dead_workers_claim_lapses_and_its_slot_is_made_again(tmp_path, signed
     run.latest(0, d)
     assert _make(live, run)  # and a live worker takes a new slot
     assert keys.parse_claim_key(run.claims()[-1])[1] >= d0.slots
+
+
+def test_the_planner_measures_each_workers_claim_to_batch_time(tmp_path, signed_run):
+    run = Run(tmp_path, signed_run)
+    planner = _planner(run, versions=3, lease=0.3)
+    d0 = planner.plan(0, 0, set(), set())
+    run.latest(0, d0)
+    slow = _worker(run, "slow")
+    latest = slow.watch.poll()
+    slow.weights.engine.version = latest.version
+    assert slow.claim()
+    time.sleep(0.5)  # longer than the base lease: a slow batch
+    run.inbox.put(keys.rollout_key(0, "slow", slow.seq), b"batch")
+    slow.seq += 1
+    planner.plan(0, 0, set(), set(), current=d0)
+    measured = list(planner.speeds["slow"].values())
+    assert len(measured) == 1 and measured[0] >= 0.4
+    assert planner.lease_of("slow") == LEASE_FACTOR * measured[0] > 0.3
+    assert planner.lease_of("never-seen") == 0.3
+    # Its next claim outlives the base lease.
+    run.latest(0, planner.plan(0, 0, set(), set(), current=d0))
+    assert _make(slow, run) and slow.claim()
+    time.sleep(0.4)
+    listing = list_inbox(run.inbox)
+    flying = planner._claims(listing, range(0, 1), planner.opened, None)
+    landed = Counter({(0, "slow"): 2})
+    assert any(c.worker == "slow" for c in pending(flying, landed, time.time(), planner.lease_of))
 
 
 def test_a_resumed_trainer_works_out_the_same_demand(tmp_path, signed_run):

@@ -78,8 +78,10 @@ class TrainerConfig:
     )
     claim_seconds: float = setting(
         120.0,
-        "a worker's claim on a batch lapses after this long without the batch, and another "
-        "worker may make it (a restarted worker's claims lapse at once)",
+        "the base claim lease: a worker's claim on a batch lapses after its lease without the "
+        "batch, and another worker may make it (a restarted worker's claims lapse at once); a "
+        "worker's lease follows its speed, 3x its slowest recent claim-to-batch time, within "
+        "1x to 20x this",
     )
     lr: float = setting(1e-5, "AdamW learning rate")
     # Adam's first updates move every weight by about the full rate: a smoke

@@ -54,6 +54,7 @@ class Listing:
     """One listing of the inbox, parsed: what the trainer may read, with store times."""
 
     rollouts: dict[int, dict[str, str]] = field(default_factory=dict)  # v -> {key: worker}
+    rollout_times: dict[str, float] = field(default_factory=dict)  # rollout key -> store time
     claims: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # key -> v, slot, at
     heartbeats: dict[str, float] = field(default_factory=dict)  # worker -> store time
     segments: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # worker -> [(n, key)]
@@ -89,6 +90,7 @@ def scan(
                 out.beyond.append(key)
             else:
                 out.rollouts.setdefault(rollout[0], {})[key] = owner
+                out.rollout_times[key] = at
         elif keys.parse_heartbeat_key(key) is not None:
             out.heartbeats[owner] = at
         elif (seg := keys.parse_worker_segment(key)) is not None:

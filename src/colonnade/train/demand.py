@@ -35,9 +35,18 @@ progress only; the steps after are the next version's demand.
 
 Claims (`pending`): a worker claims one slot per batch and uploads before it
 claims again, so its batches of a version fulfil its claims of that version
-in order; an unfulfilled claim is given up when the demand's lease runs out
+in order; an unfulfilled claim is given up when its worker's lease runs out
 (by the object's store time), or at once when the same worker has claimed
 since (it restarted, or lost the upload: that batch is never coming).
+
+The lease follows each worker's measured speed (`claim_times`,
+`lease_for`): the time from each claim to the batch that fulfilled it, by
+store times, over the worker's recent claims; a worker's lease is
+LEASE_FACTOR times its slowest of those, never below the run's
+`claim_seconds` (a worker not yet measured has that), never above
+MAX_LEASE_FACTOR times it. A Mac on a large model that needs minutes per
+batch keeps its claims; the base stays the bound for a worker that died
+before it was measured.
 
 Claims are strangers' objects (protocol 7): one counts only if it reads as a
 claim of this run, names a worker, and in a signed run carries that
@@ -53,6 +62,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from colonnade.protocol import keys
@@ -83,6 +93,39 @@ def new_slots(open_slots: int, wanted: int, per_batch: int) -> int:
     return open_slots + math.ceil(wanted / per_batch)
 
 
+# A worker's lease: this many times its slowest recent claim-to-batch time
+# (a batch may take longer than the slowest seen: a longer task, a busier
+# machine), within [claim_seconds, MAX_LEASE_FACTOR * claim_seconds].
+LEASE_FACTOR = 3.0
+MAX_LEASE_FACTOR = 20.0
+RECENT_CLAIMS = 8  # claim-to-batch times remembered per worker
+MEASURED_WORKERS = 4096  # workers whose times are remembered (the least recent forgotten)
+
+
+def claim_times(claims: list[SeenClaim], batches: dict[tuple[int, str], list[float]]) -> dict:
+    """{(version, slot, worker): seconds from the claim to the batch that
+    fulfilled it}: a worker's batches of a version (their store times,
+    `batches[(version, worker)]`) fulfil its claims of that version in
+    order, as `pending` counts them."""
+    out = {}
+    mine: dict[tuple[int, str], list[SeenClaim]] = {}
+    for c in sorted(claims, key=lambda c: (c.at, c.slot)):
+        if c.worker is not None:
+            mine.setdefault((c.version, c.worker), []).append(c)
+    for (v, worker), made in mine.items():
+        for c, at in zip(made, sorted(batches.get((v, worker), [])), strict=False):
+            out[(v, c.slot, worker)] = max(0.0, at - c.at)
+    return out
+
+
+def lease_for(recent: list[float], base: float) -> float:
+    """A worker's lease from its recent claim-to-batch times (see the module
+    docstring); `base` (the run's claim_seconds) when none is known."""
+    if not recent:
+        return base
+    return min(max(base, LEASE_FACTOR * max(recent)), MAX_LEASE_FACTOR * base)
+
+
 @dataclass(frozen=True)
 class SeenClaim:
     """One claim as the trainer knows it: read once, then cached."""
@@ -93,9 +136,13 @@ class SeenClaim:
     at: float  # the object's store time, seconds since the epoch
 
 
-def pending(claims: list[SeenClaim], landed: Counter, now: float, lease: float) -> list[SeenClaim]:
+def pending(
+    claims: list[SeenClaim], landed: Counter, now: float, lease: float | Callable[[str], float]
+) -> list[SeenClaim]:
     """The claims still in flight: not fulfilled by a landed batch and not
-    given up. `landed` counts batches per (version, worker)."""
+    given up. `landed` counts batches per (version, worker); `lease`: one
+    for every worker, or each worker's (`lease(worker)`)."""
+    lease_of = lease if callable(lease) else (lambda worker: lease)
     by_worker: dict[str | None, list[SeenClaim]] = {}
     for c in sorted(claims, key=lambda c: (c.at, c.version, c.slot)):
         by_worker.setdefault(c.worker, []).append(c)
@@ -111,7 +158,7 @@ def pending(claims: list[SeenClaim], landed: Counter, now: float, lease: float) 
             else:
                 unfulfilled.append(c)
         # At most one claim per worker is in flight: its newest.
-        if unfulfilled and unfulfilled[-1] is mine[-1] and now - mine[-1].at < lease:
+        if unfulfilled and unfulfilled[-1] is mine[-1] and now - mine[-1].at < lease_of(worker):
             out.append(mine[-1])
     return sorted(out, key=lambda c: (c.at, c.version, c.slot))
 
@@ -128,8 +175,10 @@ class Planner:
     max_lag: int
     max_versions: int
     surplus: int
-    lease: float
+    lease: float  # the run's claim_seconds: the base of every worker's lease
     seen: dict[str, SeenClaim] = field(default_factory=dict)  # claim key -> what it said
+    # worker -> {(version, slot): claim-to-batch seconds}, its most recent claims
+    speeds: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     opened: dict[int, int] = field(default_factory=dict)  # version -> slots its demand opened
     # The publication (background) and the wait for groups (main thread) both plan.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -157,6 +206,21 @@ class Planner:
             raise
         except (StoreError, SchemaError):  # not a claim we accept: it holds nothing
             return None
+
+    def lease_of(self, worker: str) -> float:
+        """`worker`'s lease now: from its recent claim-to-batch times."""
+        return lease_for(list(self.speeds.get(worker, {}).values()), self.lease)
+
+    def _measure(self, claims: list[SeenClaim], batches: dict) -> None:
+        """Each worker's claim-to-batch times, its RECENT_CLAIMS newest kept."""
+        for (v, slot, worker), seconds in claim_times(claims, batches).items():
+            mine = self.speeds[worker] = self.speeds.pop(worker, {})  # most recent last
+            mine[(v, slot)] = seconds
+            if len(mine) > RECENT_CLAIMS:
+                for old in sorted(mine)[: len(mine) - RECENT_CLAIMS]:
+                    del mine[old]
+        while len(self.speeds) > MEASURED_WORKERS:
+            del self.speeds[next(iter(self.speeds))]
 
     def plan(
         self,
@@ -193,18 +257,23 @@ class Planner:
         oldest = max(0, step - self.max_lag)
         versions = range(min(oldest, target), target + 1)
         landed: Counter = Counter()
+        batches: dict[tuple[int, str], list[float]] = {}
         ready = 0
         for u, found in listing.rollout_keys(versions).items():
             for key in found:
                 worker = listing.rollouts[u][key]
                 landed[(u, worker)] += 1
+                batches.setdefault((u, worker), []).append(listing.rollout_times.get(key, 0.0))
                 if u >= oldest and key not in consumed and worker not in refused:
                     ready += self.per_batch
         if current is not None:
             self.opened[current.version] = max(self.opened.get(current.version, 0), current.slots)
         claims = self._claims(listing, versions, self.opened, keyring)
+        self._measure(claims, batches)
         flying = [
-            c for c in pending(claims, landed, time.time(), self.lease) if c.worker not in refused
+            c
+            for c in pending(claims, landed, time.time(), self.lease_of)
+            if c.worker not in refused
         ]
         promised = self.per_batch * sum(c.version >= oldest for c in flying)
         mine = [c for c in claims if c.version == target]
