@@ -112,11 +112,14 @@ def compile_options() -> dict:
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """{name: first name} for parameters sharing storage (tied embeddings)."""
+    """{name: first name} for parameters sharing storage (tied embeddings).
+    On a skeleton (meta tensors: no storage) or a sharded model (DTensors),
+    the tensors themselves: tied parameters are one object."""
     seen: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        key = t.data_ptr()
+        stored = t.device.type != "meta" and not hasattr(t, "device_mesh")
+        key = t.data_ptr() if stored else id(t)
         if key in seen and t.numel() > 0:
             aliases[name] = seen[key]
         else:

@@ -7,6 +7,7 @@ a half-written model; afterwards every load is a plain `from_pretrained`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .presets import PRESETS, TinySpec, build_smollm2, build_tiny
 
@@ -120,13 +122,54 @@ def local_model_dir(path: str) -> Path:
         ) from None
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer) from a directory or hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@contextlib.contextmanager
+def params_on_meta():
+    """Within: every parameter a module registers is moved to the meta
+    device as it is made (no memory kept), buffers stay real. A model built
+    here has its computed buffers (rotary tables) but no weights: what a
+    rank fills with its own shards (`train/loading.py`)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `path`'s config with its parameters on the meta device
+    (tied where the config ties them), its buffers computed, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a directory or hub name, with a pad token (its EOS where it has none)."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer) from a directory or hub name."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device).eval()
     return model, tokenizer

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -138,9 +139,14 @@ def build_policy(
     bf16: bool,
     grad_ckpt: bool,
     chunk_tokens: int = 4096,
+    source: str | Path | None = None,
 ) -> Policy:
     """The trainable Policy over `lm` (fp32, on the CPU): on `where.device`,
-    sharded with FSDP2 when `where` has several ranks."""
+    sharded with FSDP2 when `where` has several ranks.
+
+    `source`: `lm` is a skeleton (`model.skeleton`: parameters on the meta
+    device) whose weights are in this model folder: it is sharded first,
+    and each rank then reads only the rows it owns (`train/loading.py`)."""
     if grad_ckpt:
         if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
             lm.activation_checkpointing_enable({"use_reentrant": False})
@@ -149,6 +155,8 @@ def build_policy(
     lm.config.use_cache = False
     policy = Policy(lm, chunk_tokens, autocast_bf16=bf16 and not where.sharded)
     if not where.sharded:
+        if source is not None:
+            _fill(policy, where, source)
         return policy.to(where.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -160,7 +168,22 @@ def build_policy(
     for layer in list(_decoder_layers(lm)):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
+    if source is not None:
+        _fill(policy, where, source)
     return policy
+
+
+def _fill(policy: Policy, where: Dist, source: str | Path) -> None:
+    """Allocate a skeleton's (sharded) parameters on the rank's device and
+    read this rank's rows of each from `source`."""
+    from .loading import load_owned, restore_buffers, retie, tied_groups
+
+    buffers = {n: b.detach().clone() for n, b in policy.named_buffers()}
+    groups = tied_groups(policy)
+    policy.to_empty(device=where.device)
+    retie(policy, groups)
+    restore_buffers(policy, buffers)
+    load_owned(policy, source, prefix=PREFIX)
 
 
 def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str, torch.Tensor]:

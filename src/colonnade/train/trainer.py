@@ -48,7 +48,15 @@ import torch
 from colonnade.background import Background
 from colonnade.config import TrainerConfig
 from colonnade.envs import load_environment, metrics_of, success_of, tokenizer_texts_of
-from colonnade.model import cache_root, load_model, local_model_dir, resolve_model, tied_aliases
+from colonnade.model import (
+    cache_root,
+    load_model,
+    load_tokenizer,
+    local_model_dir,
+    resolve_model,
+    skeleton,
+    tied_aliases,
+)
 from colonnade.model.device import peak_memory_mb
 from colonnade.protocol import Follower, RunSpec, keys, latest_version
 from colonnade.protocol.draws import forged_draws
@@ -153,13 +161,18 @@ class Trainer:
         )
         self.private = trainer_key(cfg, self.store.url)
         self.signer: Signer | None = None  # once the run's id is known
-        lm, self.tok = load_model(str(self.model_dir), dtype=torch.float32)
+        if self.where.sharded:
+            # Each rank reads only its own rows of the weights (train/loading.py).
+            lm, source = skeleton(self.model_dir), self.model_dir
+            self.tok = load_tokenizer(str(self.model_dir))
+        else:
+            (lm, self.tok), source = load_model(str(self.model_dir), dtype=torch.float32), None
         self.aliases = tied_aliases(lm)
         self.max_len, self.vocab = lm.config.max_position_embeddings, lm.config.vocab_size
         self.dtype = compute_dtype(cfg.dtype, self.where.device)
         grad_ckpt = cfg.grad_ckpt if cfg.grad_ckpt is not None else self.where.device.type == "cuda"
         self.policy = build_policy(
-            lm, self.where, self.dtype == "bf16", grad_ckpt, cfg.logit_chunk_tokens
+            lm, self.where, self.dtype == "bf16", grad_ckpt, cfg.logit_chunk_tokens, source
         )
         self.opt = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
