@@ -21,6 +21,8 @@ itself):
 5. `report`: reads a run's store through protocol and telemetry, whichever
    side wrote it; it imports neither side;
 6. `launch` composes a run (it starts the sides, evaluates, reports);
+   `operate` works on a run from the outside (its status, from the store
+   as the report reads it); neither imports the other;
 7. `cli` and `bench`, the entrypoints.
 
 And one rule across floors: a side's role module (`rollout.worker`,
@@ -54,7 +56,8 @@ ALLOWED: dict[str, set[str]] = {
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
     "launch": _RUN,
-    "cli": _RUN | {"launch"},
+    "operate": BASE | {"config", "store", "protocol", "telemetry", "report"},
+    "cli": _RUN | {"launch", "operate"},
     "bench": _RUN | {"launch"},
     "__main__": {"cli"},
     "__init__": set(),

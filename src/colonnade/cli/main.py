@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, evaluate, plan, pulse, roles, run
+from . import bench, evaluate, plan, pulse, roles, run, status
 
 
 class CliError(Exception):
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.register(sub)
     pulse.register(sub)
     bench.register(sub)
+    status.register(sub)
     plan.register(sub)
     return parser
 
