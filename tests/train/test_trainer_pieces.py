@@ -18,6 +18,8 @@ from colonnade.store import LocalStore
 from colonnade.train.checkpoint import (
     FORMAT,
     Checkpointer,
+    CheckpointError,
+    checkpoints,
     init_adam_state,
     latest_checkpoint,
     prune_checkpoints,
@@ -53,7 +55,9 @@ def test_a_checkpoint_restores_weights_and_adam_exactly(tiny, tmp_path):
     signer = _signer()
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 0)
-    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer).save(3, {"x": 1})
+    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer)
+    saver.save(3, {"x": 1})
+    saver.finish()
     b, opt_b, _ = _policy_and_opt(tiny)
     state = Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases, signer).load(3)
     assert state["x"] == 1 and state["ranks"] == 1 and latest_checkpoint(store, signer.trust) == 3
@@ -66,6 +70,47 @@ def test_a_checkpoint_restores_weights_and_adam_exactly(tiny, tmp_path):
         assert torch.equal(p, q)
     assert b.lm.lm_head.weight is b.lm.model.embed_tokens.weight  # still tied
     assert not list((tmp_path / "staging").iterdir())  # staging cleaned up
+
+
+class SlowUploads(LocalStore):
+    """A store whose shard uploads wait until `go` is set."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.go = threading.Event()
+
+    def put_file(self, key, path):
+        assert self.go.wait(30), "the upload was never let through"
+        return super().put_file(key, path)
+
+
+def test_a_checkpoint_uploads_in_the_background_and_commits_when_up(tiny, tmp_path):
+    store = SlowUploads(tmp_path / "store")
+    signer = _signer()
+    a, opt_a, aliases = _policy_and_opt(tiny)
+    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer, keep=1)
+    assert saver.save(1) < 0.5  # nothing in flight; returns with the shard written, not up
+    assert checkpoints(store) == [] and saver.uploads.busy
+    _one_update(a, opt_a, 0)  # the next step trains meanwhile
+    store.go.set()
+    assert saver.save(2) >= 0.0  # waited for v1's upload, then wrote v2
+    saver.finish()
+    assert checkpoints(store) == [2]  # v1 committed, then pruned once v2 was (keep=1)
+    assert latest_checkpoint(store, signer.trust) == 2
+
+
+def test_a_checkpoint_missing_a_ranks_shards_is_not_committed(tiny, tmp_path):
+    # Rank 0 of 2 (its peer never uploads): it waits for the peer's marker,
+    # then gives up without state.json; a resume ignores the checkpoint.
+    store = LocalStore(tmp_path / "store")
+    a, opt_a, aliases = _policy_and_opt(tiny)
+    where = Dist(rank=0, world=2)
+    saver = Checkpointer(store, a, opt_a, where, tmp_path / "staging", aliases, _signer(),
+                         ranks_seconds=0.5)  # fmt: skip
+    saver.save(4)
+    with pytest.raises(CheckpointError, match="1 of 2 ranks"):
+        saver.finish()
+    assert checkpoints(store) == []
 
 
 def test_initialised_adam_state_is_a_fresh_optimizer(tiny):
@@ -177,6 +222,7 @@ def test_resume_publishes_a_checkpoint_whose_version_was_cut_short(tiny_dir, tmp
     first = Trainer(cfg)
     first.open()  # v0 published, checkpoint v0
     first._save(1)  # the checkpoint of v1 went up; v1's background publication did not
+    first.checkpoints.finish()
     first.background.close()
     trust = first.signer.trust
     assert latest_version(first.store, trust) == 0 and latest_checkpoint(first.store, trust) == 1
@@ -202,7 +248,9 @@ def test_a_checkpoint_goes_to_s3_in_parts_and_comes_back(tiny, tmp_path, seaweed
     signer = _signer()
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 3)
-    Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer).save(1)
+    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer)
+    saver.save(1)
+    saver.finish()
     (shard,) = [k for k in store.list("trainer/checkpoints/") if k.endswith(".safetensors")]
     assert store.size(shard) > 2 * (5 << 20)  # weights and Adam's moments: several parts
     head = store.client.head_object(Bucket=store.bucket, Key=store._k(shard))

@@ -16,9 +16,15 @@ counts. Not the learning rate, which the trainer sets every step from the
 version. Loading reads whatever slices each rank needs from every shard, so
 a run resumes on any number of ranks: DCP reshards (tested 2 ranks → 1).
 
-Every rank writes its shard to a local staging folder and uploads it
-(`put_file`: streamed, multipart when large); on resume the first process
-of each machine downloads the shards once for the ranks beside it.
+Every rank writes its shard to a local staging folder (the step waits for
+that: a local disk's write) and uploads it in the background while the next
+steps train (`put_file`: streamed, multipart when large), then leaves a
+marker `rank-{r}.json`; rank 0 commits state.json once every rank's marker
+is up. One checkpoint uploads at a time: the next save first waits for the
+one in flight, so the staging folder needs room for two. A trainer that
+stops waits for the upload (`finish`); one that crashes leaves a checkpoint
+without state.json, which a resume ignores. On resume the first process of
+each machine downloads the shards once for the ranks beside it.
 """
 
 from __future__ import annotations
@@ -27,19 +33,23 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from colonnade.background import Background
 from colonnade.protocol import keys
 from colonnade.protocol.schemas import SchemaError, loads
 from colonnade.protocol.signing import Signer, Trust, read_envelope
 from colonnade.pulse.hashing import digest_file
 from colonnade.store import NotFound, ObjectStore, StoreError
+from colonnade.store.retry import retry_unavailable
 
 from .distributed import Dist
 from .policy import PREFIX
@@ -102,11 +112,18 @@ class Checkpointer:
     staging: Path  # a local folder with room for one checkpoint
     aliases: dict[str, str]  # tied parameter names, saved once
     signer: Signer | None = None  # rank 0's: signs state.json
+    keep: int = 0  # complete checkpoints rank 0 keeps once one commits (0: all)
+    outage_seconds: float = 600.0  # how long an upload waits out an unavailable store
+    ranks_seconds: float = 3600.0  # how long rank 0 waits for every rank's shards
+    uploads: Background = field(default_factory=lambda: Background("checkpoint"))
 
-    def save(self, version: int, facts: dict | None = None) -> None:
-        """Collective: every rank saves and uploads its shard; rank 0 commits."""
+    def save(self, version: int, facts: dict | None = None) -> float:
+        """Collective: every rank writes its shard locally, then uploads it in
+        the background; rank 0 commits once all are up. The seconds this call
+        waited for the previous checkpoint's upload."""
         import torch.distributed.checkpoint as dcp
 
+        blocked = self.uploads.wait()
         store, where, staging = self.store, self.where, self.staging
         sd, _ = _state_dicts(self.policy, self.opt, self.aliases)
         local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
@@ -114,23 +131,56 @@ class Checkpointer:
         writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
         with _single_process_quiet():
             dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
+        self.uploads.submit(lambda: self._upload(version, local, facts))
+        return blocked
+
+    def finish(self) -> None:
+        """Until the checkpoint in flight is up (and on rank 0 committed)."""
+        self.uploads.wait()
+
+    def _upload(self, version: int, local: Path, facts: dict | None) -> None:
+        store, where = self.store, self.where
         prefix = keys.checkpoint_dir(version)
-        for f in sorted(local.glob("*.safetensors")):
-            store.put_file(prefix + f.name, f)
-            digest = {"bytes": f.stat().st_size, "hash": digest_file(f, HASH)}
-            store.put(prefix + f.name + HASH_SUFFIX, json.dumps(digest).encode())
+        files = sorted(local.glob("*.safetensors"))
+
+        def put_all() -> None:
+            for f in files:
+                store.put_file(prefix + f.name, f)
+                digest = {"bytes": f.stat().st_size, "hash": digest_file(f, HASH)}
+                store.put(prefix + f.name + HASH_SUFFIX, json.dumps(digest).encode())
+            names = json.dumps(sorted(f.name for f in files)).encode()
+            store.put(prefix + f"rank-{where.rank:05d}.json", names)
+
+        what = f"checkpoint v{version} upload"
+        retry_unavailable(log, what, put_all, self.outage_seconds)
         shutil.rmtree(local, ignore_errors=True)
-        where.barrier()  # every shard is up
         if where.leader:
-            shards = {
-                k.rsplit("/", 1)[1]: _shard_digest(store, k)
-                for k in store.list(prefix)
-                if k.endswith(".safetensors")
-            }
-            doc = {**(facts or {}), "version": version, "format": FORMAT, "ranks": where.world,
-                   "shards": shards}  # fmt: skip
-            key = keys.checkpoint_state_key(version)
-            store.put_if_absent(key, self.signer.seal(key, doc))
+            retry_unavailable(log, what, lambda: self._commit(version, facts), self.outage_seconds)
+
+    def _commit(self, version: int, facts: dict | None) -> None:
+        """state.json, once every rank's marker is up; then older checkpoints pruned."""
+        store, where = self.store, self.where
+        prefix = keys.checkpoint_dir(version)
+        deadline = time.monotonic() + self.ranks_seconds
+        while True:
+            listed = store.list(prefix)
+            done = [k for k in listed if _RANK_MARKER.fullmatch(k.rsplit("/", 1)[1])]
+            if len(done) >= where.world:
+                break
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint v{version}: {len(done)} of {where.world} ranks' shards arrived "
+                    f"in {self.ranks_seconds:.0f} s; not committed"
+                )
+            time.sleep(0.2)
+        names = [k.rsplit("/", 1)[1] for k in listed if k.endswith(".safetensors")]
+        shards = {name: _shard_digest(store, prefix + name) for name in names}
+        doc = {**(facts or {}), "version": version, "format": FORMAT, "ranks": where.world,
+               "shards": shards}  # fmt: skip
+        key = keys.checkpoint_state_key(version)
+        store.put_if_absent(key, self.signer.seal(key, doc))
+        if self.keep > 0:
+            prune_checkpoints(store, self.keep)
 
     def load(self, version: int) -> dict:
         """Collective: restore weights and AdamW state in place; the saved state.json."""
@@ -169,6 +219,7 @@ class Checkpointer:
 
 HASH = "blake3"
 HASH_SUFFIX = ".hash.json"  # beside each shard: its size and hash, from the rank that wrote it
+_RANK_MARKER = re.compile(r"rank-[0-9]{5}\.json")  # a rank's shards are all up
 
 
 class CheckpointError(RuntimeError):

@@ -69,7 +69,7 @@ from colonnade.protocol.weights import VersionError
 from colonnade.pulse.hashing import digest_bytes
 from colonnade.store import ObjectStore, open_store
 
-from .checkpoint import Checkpointer, latest_checkpoint, prune_checkpoints
+from .checkpoint import Checkpointer, latest_checkpoint
 from .distributed import Command, Dist, init_distributed
 from .lead import Lead, RunConflict
 from .loss import GateConfig
@@ -184,6 +184,8 @@ class Trainer:
             self.where,
             Path(cfg.staging_dir or cache_root() / "staging"),
             self.aliases,
+            keep=cfg.keep_checkpoints,
+            outage_seconds=cfg.store_outage_seconds,
         )
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
@@ -233,10 +235,10 @@ class Trainer:
         return full_state(self.policy, self.where, self.aliases)
 
     def _save(self, v: int) -> None:
+        """A checkpoint of v: written locally now, uploaded and committed (and
+        older ones pruned) in the background while the next steps train."""
         self._command(Command.CHECKPOINT, v)
         self.checkpoints.save(v, {"instance": self.instance})
-        if self.where.leader and self.cfg.keep_checkpoints > 0:
-            prune_checkpoints(self.store, self.cfg.keep_checkpoints)
 
     def _load(self, v: int) -> None:
         self._command(Command.LOAD, v)
@@ -247,6 +249,7 @@ class Trainer:
         while True:
             cmd, arg = self.where.command()
             if cmd == Command.DONE:
+                self.checkpoints.finish()
                 return
             if cmd == Command.STEP:
                 for group in self.opt.param_groups:
@@ -461,11 +464,13 @@ class Trainer:
             if self.stop_requested:
                 self.background.wait()
                 self._save(self.version)
+                self.checkpoints.finish()
                 log.info("stopped at v%d (checkpointed; the run can resume)", self.version)
                 self._command(Command.DONE)
                 return
             self.step()
         self.background.wait()
+        self.checkpoints.finish()
         self.lead.finish(self.version)  # done.json, then the latest.json workers poll
         self._command(Command.DONE)
         log.info("done: published v%d", self.version)
