@@ -325,7 +325,7 @@ def _wait(cond, timeout: float, what: str, procs) -> None:
 
 
 @pytest.mark.procs
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_status_of_a_live_run(tmp_path, capsys):
     """Trainer and three workers as processes (smoke preset): one keeps
     working, one is killed (its heartbeat then aged past the trainer's
