@@ -47,6 +47,9 @@ class RunConfig:
     metrics_port: int | None = setting(
         None, "trainer's Prometheus port; worker i gets port + 1 + i"
     )
+    metrics_host: str = setting(
+        "127.0.0.1", "the address the trainer's and workers' Prometheus endpoints bind"
+    )
     max_minutes: float | None = setting(
         None,
         "wall-clock budget from the start: when spent, the trainer stops after the version "

@@ -127,7 +127,14 @@ class TrainerConfig:
         "it writes a new one if it comes back)",
     )
     metrics_port: int | None = setting(
-        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
+        None,
+        "serve Prometheus metrics on metrics_host:PORT (0: any free port), every worker's "
+        "figures included (read from their metric rows in the inbox)",
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "the address the Prometheus endpoint binds (0.0.0.0: every interface; it has no "
+        "authentication)",
     )
     store_outage_seconds: float = setting(900.0, "keep retrying an unavailable store this long")
     # Re-read every step, so workers can be added mid-run.

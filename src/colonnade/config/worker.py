@@ -41,7 +41,12 @@ class WorkerConfig:
     )
     join_timeout: float = setting(600.0, "how long to wait for the run's run.json")
     metrics_port: int | None = setting(
-        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
+        None, "serve Prometheus metrics on metrics_host:PORT (0: any free port)"
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "the address the Prometheus endpoint binds (0.0.0.0: every interface; it has no "
+        "authentication)",
     )
     key: str = setting("", "private key file from `colonnade keys new` (signs batches)")
 

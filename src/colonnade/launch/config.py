@@ -113,12 +113,14 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
         store=store,
         endpoint_url=cfg.endpoint_url,
         metrics_port=cfg.metrics_port,
+        metrics_host=cfg.metrics_host,
     )
     worker = load_config(
         WorkerConfig,
         base={"trust": str(Path(trainer.key).with_suffix(".pub")), **cfg.worker},
         store=store,
         endpoint_url=cfg.endpoint_url,
+        metrics_host=cfg.metrics_host,
     )
     return trainer, worker
 

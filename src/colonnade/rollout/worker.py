@@ -187,7 +187,9 @@ class Worker:
         )
         self.stop = Stop()
         self.exporter = (
-            Exporter(cfg.metrics_port, self.id) if cfg.metrics_port is not None else None
+            Exporter(cfg.metrics_port, self.id, addr=cfg.metrics_host)
+            if cfg.metrics_port is not None
+            else None
         )
         self.tally = Tally()
         self.seq = 0

@@ -9,6 +9,10 @@ trainer and every worker. The metrics the environment declares
 (`colonnade.envs.metrics_of`, e.g. searchqa's `searched`) are one gauge,
 `colonnade_env_metric{metric="searched"}`, fed by the trainer's
 `env_metrics`: each the mean over the last step's episodes.
+
+A process observes its own rows; a `telemetry.fleet.FleetReader` feeds it
+other writers' rows read from the store, under their own role and id (the
+trainer's endpoint serves every worker's figures this way).
 """
 
 from __future__ import annotations
@@ -56,15 +60,21 @@ declared(FIELDS)
 ENV_METRIC = "colonnade_env_metric"
 STALENESS = "colonnade_rollout_staleness"
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+MAX_ENV_METRICS = 32  # env_metrics=None: the names served, first come
 
 
 class Exporter:
-    """Serves /metrics on `port` (0: pick a free one; see `.port`)."""
+    """Serves /metrics on `addr`:`port` (0: pick a free one; see `.port`)."""
 
-    def __init__(self, port: int, ident: str, addr: str = "127.0.0.1", env_metrics: Sequence = ()):
-        """`env_metrics`: the environment's declared metrics (`Metric`s), exported by name."""
+    def __init__(
+        self, port: int, ident: str, addr: str = "127.0.0.1", env_metrics: Sequence | None = ()
+    ):
+        """`env_metrics`: the environment's declared metrics (`Metric`s),
+        exported by name; None (a reader of a run's store, which does not load
+        its environment): whatever names the trainer's signed rows carry."""
         self.registry = CollectorRegistry()
-        self.env_names = frozenset(m.name for m in env_metrics)
+        self.env_names = None if env_metrics is None else frozenset(m.name for m in env_metrics)
+        self._env_seen: set[str] = set()
         self.ident = ident
         labels = ("role", "id")
         self.metrics: dict[str, Any] = {}
@@ -95,12 +105,14 @@ class Exporter:
         self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
 
-    def observe(self, role: str, row: dict) -> None:
+    def observe(self, role: str, row: dict, ident: str | None = None) -> None:
+        """Count `row`, a row of `role` `ident` (default: this process's id)."""
+        ident = self.ident if ident is None else ident
         for field, value in row.items():
             metric = self.metrics.get(field)
             if metric is None or not isinstance(value, int | float) or isinstance(value, bool):
                 continue
-            m = metric.labels(role, self.ident)
+            m = metric.labels(role, ident)
             kind = FIELDS[field][1]
             if kind == "gauge":
                 m.set(value)
@@ -110,11 +122,27 @@ class Exporter:
             else:
                 m.observe(value)
         for name, value in (row.get(ENV_FIELD) or {}).items():
-            if name in self.env_names and isinstance(value, int | float):
-                self.env_metric.labels(role, self.ident, name).set(value)
+            if self._serves_env(name) and isinstance(value, int | float):
+                self.env_metric.labels(role, ident, name).set(value)
         for lag, n in (row.get(STALENESS_FIELD) or {}).items():
             for _ in range(int(n)):
-                self.staleness.labels(role, self.ident).observe(int(lag))
+                self.staleness.labels(role, ident).observe(int(lag))
+
+    def _serves_env(self, name: str) -> bool:
+        if self.env_names is not None:
+            return name in self.env_names
+        if name not in self._env_seen and len(self._env_seen) < MAX_ENV_METRICS:
+            self._env_seen.add(name)
+        return name in self._env_seen
+
+    def forget(self, role: str, ident: str) -> None:
+        """End the series of `role` `ident` (a worker gone from the store);
+        rows observed later start them again."""
+        for metric in (*self.metrics.values(), self.staleness):
+            metric.remove(role, ident)
+        names = self.env_names if self.env_names is not None else self._env_seen
+        for name in list(names):
+            self.env_metric.remove(role, ident, name)
 
     def close(self) -> None:
         self.server.shutdown()

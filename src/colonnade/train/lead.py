@@ -7,6 +7,7 @@ rank; rank 0 also holds a `Lead`, which it builds and calls:
     open        the model files and run.json written or read back, the
                 takeover check, then the collector (the ledgers of what was
                 consumed, the counts so far, quarantine, the worker keys)
+                and, with an exporter, the reader of the workers' metric rows
     each step   the worker keys read again, the trainer's documents guarded,
                 groups collected, the ledger written, workers alive counted,
                 quarantine judged, the heartbeat, a checkpoint every N versions
@@ -61,7 +62,7 @@ from colonnade.protocol.signing import (
 )
 from colonnade.store import ObjectStore, StoreError
 from colonnade.store.retry import Retrying
-from colonnade.telemetry import Exporter, Telemetry
+from colonnade.telemetry import Exporter, FleetReader, Telemetry
 
 from .collect import Collected, Collector
 from .demand import Planner, horizon, new_slots, wanted_groups
@@ -107,7 +108,10 @@ class Lead:
         )
         self.exporter = None
         if cfg.metrics_port is not None:
-            self.exporter = Exporter(cfg.metrics_port, "main", env_metrics=metrics_of(env))
+            self.exporter = Exporter(
+                cfg.metrics_port, "main", addr=cfg.metrics_host, env_metrics=metrics_of(env)
+            )
+        self.fleet: FleetReader | None = None  # the workers' rows, to the exporter
         self._replanned = 0.0  # when the demand was last worked out while waiting
         self._wait_began: float | None = None  # the step's first wait for groups
         # Documents workers act on, as last written here: put back if replaced.
@@ -256,6 +260,8 @@ class Lead:
         self.collector.quarantined = set(self.quarantine.decisions)
         self.publisher.quarantined = len(self.quarantine.decisions)
         self.load_keys()
+        if self.exporter is not None:  # once the registered ids are known
+            self.fleet = FleetReader(self.exporter, self.inbox, self.registered).start()
 
     def announce_resumed(self, version: int) -> None:
         """Resumed: the demand from what the store holds, as if after a step."""
