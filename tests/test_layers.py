@@ -20,9 +20,11 @@ itself):
    and `train` (the trainer);
 5. `report`: reads a run's store through protocol and telemetry, whichever
    side wrote it; it imports neither side;
-6. `launch` composes a run (it starts the sides, evaluates, reports);
-   `operate` works on a run from the outside (its status, from the store
-   as the report reads it); neither imports the other;
+6. `operate` works on a run from the outside (its status, from the store
+   as the report reads it; a published version taken out as a model
+   folder, rebuilt as a worker rebuilds it); `launch` composes a run (it
+   starts the sides, evaluates, reports) and takes its final model out
+   through `operate`, which never imports it;
 7. `cli` and `bench`, the entrypoints.
 
 And one rule across floors: a side's role module (`rollout.worker`,
@@ -55,8 +57,8 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": _SIDE | {"engine"},
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
-    "launch": _RUN,
-    "operate": BASE | {"config", "store", "protocol", "telemetry", "report"},
+    "operate": BASE | {"config", "store", "pulse", "protocol", "telemetry", "report"},
+    "launch": _RUN | {"operate"},
     "cli": _RUN | {"launch", "operate"},
     "bench": _RUN | {"launch"},
     "__main__": {"cli"},

@@ -7,10 +7,14 @@ import json
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from colonnade.choices import ENGINE_CHOICES
+from colonnade.choices import ENGINE_CHOICES, RUN_PRECISIONS
 
 from .envargs import add_env_arg, env_kwargs
+
+if TYPE_CHECKING:
+    from colonnade.engine import Engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +26,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the output names the rule), sampled at --temperature and greedy, mean reward and "
         "the mean of every metric the environment reports; with -k, pass@k and mean@k. "
         "Turn and token limits are a run's: those of the run preset made for --env "
-        "(smoke: smoke, else demo), or of --preset / --config.",
+        "(smoke: smoke, else demo), or of --preset / --config. A published version of a "
+        "run (--model STORE@vN) is rebuilt from the store as a worker rebuilds it and runs "
+        "at the run's published precision; its run.json gives the environment and the "
+        "limits unless --env, --preset or --config is given.",
     )
-    e.add_argument("--model", required=True, help="model directory, preset or hub name")
     e.add_argument(
-        "--env", help="environment name or import path (default: --config's, else searchqa)"
+        "--model",
+        required=True,
+        help="model directory, preset or hub name; or a published version of a run: "
+        "STORE@vN (a store folder, run directory or s3:// prefix; STORE alone: its newest)",
+    )
+    e.add_argument(
+        "--env",
+        help="environment name or import path (default: --config's or the run's, else searchqa)",
     )
     add_env_arg(e)
     e.add_argument(
@@ -49,7 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--show", type=int, default=0, metavar="N", help="print N sampled completions and rewards"
     )
-    e.add_argument("--precision", default="int8", choices=["int8", "fp32", "bf16"])
+    e.add_argument(
+        "--precision",
+        choices=RUN_PRECISIONS,
+        help="of a model (default int8, as workers run it); a published version runs at its run's",
+    )
     e.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (torch engine)")
     e.add_argument("--engine", default="torch", choices=ENGINE_CHOICES, help="rollout engine")
     e.add_argument("--temperature", type=float, default=1.0, help="of the sampled pass")
@@ -57,6 +74,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    published = e.add_argument_group("a published version (--model STORE@vN)")
+    published.add_argument(
+        "--trust",
+        help="the trainer's key: its .pub/.key file or fingerprint (default: run.json's own)",
+    )
+    published.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
+    published.add_argument("--profile", help="credentials profile for the store (s3://)")
     e.set_defaults(handler=_eval)
     w = sub.add_parser(
         "warmstart",
@@ -112,7 +136,7 @@ def _console():
 
 
 def run_eval(
-    model: str,
+    model: str | Engine,
     env_name: str,
     split: str,
     n: int,
@@ -129,7 +153,10 @@ def run_eval(
     show: int = 0,
 ) -> dict:
     """The figures of the sampled pass (`params`, k samples a task), `greedy` (one
-    a task at temperature 0), and with `show` the first `show` sampled episodes."""
+    a task at temperature 0), and with `show` the first `show` sampled episodes.
+
+    `model`: a model directory, preset or hub name, loaded at `precision` on
+    `device`; or an engine already built (a published version)."""
     from dataclasses import replace
 
     from colonnade.engine import load_engine
@@ -142,8 +169,11 @@ def run_eval(
     tasks = list(env.tasks(split))[:n]
     if not tasks:
         raise ValueError(f"split {split!r} of {env_name} has no tasks")
-    path = resolve_model(model, partial(tokenizer_texts_of, env))
-    runner = load_engine(path, precision, device, engine=engine)
+    if isinstance(model, str):
+        path = resolve_model(model, partial(tokenizer_texts_of, env))
+        runner = load_engine(path, precision, device, engine=engine)
+    else:
+        runner = model
     # Greedy samples are all alike: one a task.
     passes = [("sampled", params, k)] + (
         [("greedy", replace(params, temperature=0.0), 1)] if greedy else []
@@ -192,11 +222,7 @@ def _run_settings(args: argparse.Namespace):
     preset = args.preset or (preset_for_env(args.env) if args.env and not args.config else None)
     cfg = resolve_run_config(preset, args.config, env_kwargs=env_kwargs(args), env=args.env)
     trainer, _ = role_configs(cfg)
-    limits = {
-        k: v
-        for k in ("max_turn_tokens", "max_episode_tokens")
-        if (v := getattr(args, k)) is not None
-    }
+    limits = _limits(args)
     params = replace(eval_sampling(cfg), temperature=args.temperature, **limits)
     source = "flags" if len(limits) == 2 else f"run preset {cfg.preset}"
     if args.config and len(limits) < 2:
@@ -204,22 +230,77 @@ def _run_settings(args: argparse.Namespace):
     return cfg.env, trainer.env_kwargs, params, source
 
 
+def _limits(args: argparse.Namespace) -> dict[str, int]:
+    """The turn and token limits given as flags."""
+    return {
+        k: v
+        for k in ("max_turn_tokens", "max_episode_tokens")
+        if (v := getattr(args, k)) is not None
+    }
+
+
+def _spec_settings(args: argparse.Namespace, spec):
+    """(env, env_kwargs, sampling, where the limits come from) of the run that
+    published a version: its run.json's, as its workers sample, then eval's
+    own flags (--env-arg key by key over the run's)."""
+    from dataclasses import replace
+
+    from colonnade.protocol.turns import SamplingParams
+
+    sampling = dict(spec.sampling)
+    sampling["stop"] = tuple(sampling.get("stop", ()))
+    limits = _limits(args)
+    params = replace(SamplingParams(**sampling), temperature=args.temperature, **limits)
+    kwargs = {**spec.env_kwargs, **(env_kwargs(args) or {})}
+    return spec.env, kwargs, params, "flags" if len(limits) == 2 else "the run's run.json"
+
+
+def _published(args: argparse.Namespace):
+    """(engine, precision, settings) of --model STORE@vN: the version rebuilt
+    as a worker rebuilds it, run at the run's published precision."""
+    from colonnade.launch.evaluation import version_engine
+    from colonnade.operate.export import Ref, open_view, store_at
+
+    from .export import say, trusted
+    from .main import CliError
+
+    ref = Ref.parse(args.model)
+    fingerprint = trusted(args.trust)
+    store = store_at(ref.url, args.endpoint_url, args.profile)
+    spec = open_view(store, fingerprint).spec
+    if args.precision not in (None, spec.precision):
+        raise CliError(
+            f"{args.model} runs at its run's published precision ({spec.precision}): "
+            "leave out --precision"
+        )
+    own = args.env or args.preset or args.config
+    settings = _run_settings(args) if own else _spec_settings(args, spec)
+    runner = version_engine(store, ref.version, args.engine, args.device, fingerprint, say)
+    return runner, spec.precision, settings
+
+
 def _eval(args: argparse.Namespace) -> int:
     from colonnade.engine import BackendUnavailable
+    from colonnade.operate.export import names_a_run
 
+    from .export import read_errors
     from .main import CliError
 
     if min(args.n, args.batch_size, args.k) < 1 or args.show < 0:
         raise CliError("-n, -k and --batch-size must be at least 1, --show at least 0")
     try:
-        env, kwargs, params, source = _run_settings(args)
+        if names_a_run(args.model):
+            model, precision, settings = _published(args)
+        else:
+            model, precision, settings = args.model, args.precision or "int8", _run_settings(args)
+        env, kwargs, params, source = settings
         out = run_eval(
-            args.model,
+            model,
             env,
             args.split,
             args.n,
             params,
-            precision=args.precision,
+            precision=precision,
             device=args.device,
             batch_size=args.batch_size,
             seed=args.seed,
@@ -229,8 +310,11 @@ def _eval(args: argparse.Namespace) -> int:
             k=args.k,
             show=args.show,
         )
-    except (ValueError, FileNotFoundError, BackendUnavailable) as e:
+    except (FileNotFoundError, BackendUnavailable, *read_errors()) as e:
         raise CliError(str(e)) from None
+    out["precision"] = precision
+    if not isinstance(model, str):
+        out["version"] = model.version
     if args.json:
         print(json.dumps(out))
         return 0
@@ -253,7 +337,8 @@ def _print_samples(samples: list[dict]) -> None:
 def _print_figures(out: dict, env: str, args: argparse.Namespace, source: str) -> None:
     rows = [("sampled", out)] + ([("greedy", out["greedy"])] if "greedy" in out else [])
     lim = out["limits"]
-    print(f"{env} {args.split}, n={out['n']}, {args.precision}; pass@1: {out['success']}")
+    what = f"v{out['version']}, " if "version" in out else ""
+    print(f"{env} {args.split}, n={out['n']}, {what}{out['precision']}; pass@1: {out['success']}")
     print(f"limits: {lim['max_turn_tokens']} tokens a turn, {lim['max_episode_tokens']} "
           f"an episode ({source})")  # fmt: skip
     if out.get("k"):

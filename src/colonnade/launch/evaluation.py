@@ -3,6 +3,7 @@
 "After" evaluates the newest published version through the same path a
 worker runs it (int8 codes from the store, verified by hash), so the figure
 is that of the policy the fleet runs, not of the trainer's float weights.
+The run's final model folder is `operate.export.export_version`'s.
 """
 
 from __future__ import annotations
@@ -11,45 +12,36 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from pathlib import Path
-
-import torch
 
 from colonnade.engine import Engine, SamplingParams, engine_for, load_engine, resolve_engine
 from colonnade.envs import Environment
-from colonnade.model import load_dequantized, tied_aliases
-from colonnade.protocol import Follower, VersionError, keys
+from colonnade.model import pick_device
+from colonnade.operate.export import Say, open_view, published, rebuild
+from colonnade.protocol import VersionError, keys
 from colonnade.protocol.model_files import fetch_model
-from colonnade.protocol.reader import open_run
 from colonnade.rollout.evaluate import Progress, evaluate
 from colonnade.store import ObjectStore, StoreError
 
 log = logging.getLogger("colonnade.run")
 
 
-def _version_state(store: ObjectStore, version: int, trusted: str | None = None):
-    view = open_run(store, trusted)
-    spec = view.spec
-    model, tok = fetch_model(store, spec)
-    follower = Follower(store, spec.anchor_every, view.trust)
-    follower.sync(version)
-    return spec, model, tok, follower
-
-
-def version_engine(store: ObjectStore, version: int, engine: str = "torch") -> Engine:
-    """The published `version` on the engine a worker with `--engine engine` runs."""
-    spec, model, tok, follower = _version_state(store, version)
-    return engine_for(model, tok, follower.state, spec.precision, torch.device("cpu"),
-                      resolve_engine(engine), version)  # fmt: skip
-
-
-def export_version(store: ObjectStore, version: int, out: Path) -> Path:
-    """A normal model directory (float weights, config, tokenizer) of a published version."""
-    _, model, tok, follower = _version_state(store, version)
-    load_dequantized(model, follower.state, tied_aliases(model))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+def version_engine(
+    store: ObjectStore,
+    version: int | None,
+    engine: str = "torch",
+    device: str = "cpu",
+    trusted: str | None = None,
+    say: Say | None = None,
+) -> Engine:
+    """Published `version` (None: the newest) on the engine a worker with
+    `--engine engine --device device` runs, rebuilt as that worker rebuilds it
+    (`operate.export.rebuild`): the architecture checked before any weights."""
+    view = open_view(store, trusted)
+    v = published(store, view, version)
+    model, tok = fetch_model(store, view.spec)
+    kind = resolve_engine(engine, model.config.model_type)
+    state = rebuild(store, view, v, say)
+    return engine_for(model, tok, state, view.spec.precision, pick_device(device), kind, v)
 
 
 def run_eval(

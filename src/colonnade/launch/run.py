@@ -23,6 +23,7 @@ from rich.live import Live
 from colonnade.config import RunConfig, TrainerConfig
 from colonnade.envs import Demonstrating, Metric, load_environment, metrics_of, tokenizer_texts_of
 from colonnade.model import resolve_model
+from colonnade.operate.export import export_version
 from colonnade.progress import Tracker
 from colonnade.protocol import keys, latest_version
 from colonnade.protocol.presence import alive
@@ -326,7 +327,7 @@ def _after(cfg: RunConfig, trainer: TrainerConfig, store: ObjectStore, console: 
     final = _final(store)
     if final is None:
         return
-    evaluation.export_version(store, final, Path(cfg.out) / "final-model")
+    export_version(store, final, Path(cfg.out) / "final-model", force=True)
     console.print(f"final model (v{final}): {Path(cfg.out) / 'final-model'}")
     if cfg.eval_n:
         _eval(

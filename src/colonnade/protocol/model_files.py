@@ -5,7 +5,8 @@ them from its model directory; the signed run.json's `model_files` names
 them with their hashes). A worker, and the evaluation of a published
 version, read them back with `fetch_model`, each checked against its hash,
 into a float skeleton whose weights then come from
-`weights/` (docs/protocol.md).
+`weights/` (docs/protocol.md); the export of a published version takes the
+files themselves (`fetch_files`).
 """
 
 from __future__ import annotations
@@ -40,17 +41,24 @@ def model_files(model_dir: Path) -> dict[str, bytes]:
     return out
 
 
-def fetch_model(store: ObjectStore, spec: RunSpec):
-    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
+def fetch_files(store: ObjectStore, spec: RunSpec, folder: Path) -> list[str]:
+    """The run's model files into `folder`, each checked against the hash the
+    signed run.json gives it (ModelFileError where one differs); their names."""
     for name, want in spec.model_files.items():
         data = store.get(keys.model_file(name), max_bytes=MODEL_FILE_LIMIT)
         if digest_bytes(data, algo_of(want)) != want:
             key = keys.model_file(name)
             raise ModelFileError(f"{key} does not hash as the signed run.json says")
         (folder / name).write_bytes(data)
+    return list(spec.model_files)
+
+
+def fetch_model(store: ObjectStore, spec: RunSpec):
+    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
+    fetch_files(store, spec, folder)
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)
