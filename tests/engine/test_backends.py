@@ -10,13 +10,13 @@ A new backend joins by adding a case to `CASES` (and its module to
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from colonnade.engine import Engine, SamplingParams, engine_for, layout
-from colonnade.engine.loop import SPLIT_MIN
+from colonnade.engine.loop import SPLIT_MIN, Admission, seeded_keys
 from colonnade.engine.session import Session
 from colonnade.engine.torch_backend import TorchBackend
 from colonnade.model import int8_state, load_model, sequence_logprobs
@@ -412,3 +412,86 @@ def test_sessions_copy_rows_write_them_in_place_and_join(case):
     got = session.step([[2], [3]]).float()
     assert torch.allclose(got[0], _alone(engine, b, [8], [4], [2]), **close)
     assert torch.allclose(got[1], _alone(engine, b[:-1], [3]), **close)
+
+
+class _Arriving:
+    """A source whose episodes arrive at given steps (by how often it was asked),
+    as requests reach a server while others run."""
+
+    def __init__(self, at: dict[int, list[Admission]]):
+        self.at, self.asked = dict(at), 0
+        self.waiting: list[Admission] = []
+        self.joined = 0  # episodes handed over while others ran
+
+    def admit(self, room, idle):
+        if idle and not self.waiting and self.at:  # nothing runs: the next ones come now
+            self.asked = min(self.at)
+        self.waiting += self.at.pop(self.asked, [])
+        self.asked += 1
+        take = len(self.waiting) if room is None else room
+        out, self.waiting = self.waiting[:take], self.waiting[take:]
+        self.joined += 0 if idle else len(out)
+        return out
+
+    def upcoming(self):
+        return {tuple(a.prompt) for a in self.waiting}
+
+
+def _streamed_params(case: Case, **limits) -> SamplingParams:
+    # Sampled where a row's neighbours leave its log-probs as they are;
+    # greedy on torch int8, where they move them (a sampled token near a
+    # boundary could change).
+    return SamplingParams(temperature=1.0 if case.tol < 1e-3 else 0.0, **limits)
+
+
+def _same(a, b, tol) -> None:
+    assert a.tokens == b.tokens and a.from_model == b.from_model
+    assert a.turns == b.turns and a.finish == b.finish
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < tol
+
+
+def test_episodes_arriving_while_others_run_get_the_tokens_they_get_alone(case):
+    engine = case.engine
+    prompts = _prompts(engine.tokenizer)
+    keys = seeded_keys(11, len(prompts))
+    params = _streamed_params(case, max_turn_tokens=5, max_episode_tokens=50)
+    ended = []
+
+    def admission(i):
+        return Admission(prompts[i], _replies(2), keys[i], done=ended.append)
+
+    # Two start together; the others arrive while they run (tool replies
+    # included), the last one waiting for a free row (max_rows 3).
+    source = _Arriving({0: [admission(0), admission(1)], 3: [admission(2)], 6: [admission(3)]})
+    engine.run(source, params, max_rows=3)
+    assert source.joined == 2 and len(ended) == 4
+    by_prompt = {tuple(ep.prompt_ids): ep for ep in ended}
+    for p, k in zip(prompts, keys, strict=True):
+        alone = engine.generate([p], [_replies(2)], params, keys=[k])[0]
+        _same(by_prompt[tuple(p)], alone, case.tol)
+
+
+def test_each_streamed_episode_keeps_its_own_limits(case):
+    engine = case.engine
+    prompts = _prompts(engine.tokenizer)[:3]
+    keys = seeded_keys(12, 3)
+    base = _streamed_params(case, max_turn_tokens=40, max_episode_tokens=40)
+    limits = [
+        replace(base, max_turn_tokens=6, max_episode_tokens=5),
+        replace(base, stop=("</search>", "o")),
+        replace(base, ignore_eos=True, max_turn_tokens=41, max_episode_tokens=12),
+    ]
+    ended = {}
+    episodes = [
+        Admission(p, lambda t: None, k, lim, done=lambda ep, i=i: ended.__setitem__(i, ep))
+        for i, (p, k, lim) in enumerate(zip(prompts, keys, limits, strict=True))
+    ]
+    engine.run(_Arriving({0: episodes[:2], 2: episodes[2:]}), base)
+    for i, (p, k, lim) in enumerate(zip(prompts, keys, limits, strict=True)):
+        alone = engine.generate([p], [lambda t: None], lim, keys=[k])[0]
+        _same(ended[i], alone, case.tol)
+    assert len(ended[0].tokens) <= 5 and len(ended[2].tokens) == 12
+    # The distribution is the run's: an episode cannot bring its own.
+    other = replace(base, temperature=base.temperature + 0.5)
+    with pytest.raises(ValueError, match="distribution"):
+        engine.run(_Arriving({0: [Admission(prompts[0], lambda t: None, keys[0], other)]}), base)

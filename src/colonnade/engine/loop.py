@@ -7,13 +7,21 @@ never recomputed, and the episodes of a batch end independently (finished
 rows leave the cache, waiting rows take their places). The forward pass and
 its cache are the backend's (`backend.py`); the cuts on a running batch are
 the session's (`session.py`).
+
+Where episodes come from is a `Source`, asked before every step for the
+episodes that start now (`Engine.run`): a fixed list (`Engine.generate`,
+the worker's and the evaluations' path) or requests arriving while others
+run (the OpenAI-compatible server, `colonnade.serve`). One loop serves both,
+so a request runs exactly as the same row would in a batch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
 
 import blake3
 import numpy as np
@@ -57,11 +65,42 @@ class Episode:
 
 
 @dataclass
+class Admission:
+    """One episode a `Source` hands to `Engine.run`."""
+
+    prompt: Sequence[int]
+    respond: Responder
+    key: bytes  # its draws' key (`protocol.draws`)
+    # Its turn and episode budgets, stop strings and ignore_eos (None: the
+    # run's). Its distribution (temperature, top-k, top-p) must be the run's:
+    # one step samples every row from one distribution.
+    limits: SamplingParams | None = None
+    done: Callable[[Episode], None] | None = None  # the finished episode, on the engine's thread
+
+
+class Source(Protocol):
+    """Where `Engine.run` takes its episodes from, asked before every step."""
+
+    def admit(self, room: int | None, idle: bool) -> list[Admission]:
+        """The episodes that start now, in order, at most `room` (None: no
+        bound); those of one prompt side by side share one prefill. `idle`:
+        no episode runs: wait for one; [] then ends the run."""
+        ...
+
+    def upcoming(self) -> Collection[tuple[int, ...]]:
+        """Prompts still to be handed over: a prefill made for one is kept for them."""
+        ...
+
+
+@dataclass
 class _Row:
     episode: Episode
     respond: Responder
     pending: list[int]
     key: bytes  # its draws' key (`protocol.draws`)
+    limits: SamplingParams
+    stops: StopMatcher
+    done: Callable[[Episode], None] | None = None
     turn: list[int] = field(default_factory=list)
 
     def draw(self) -> float:
@@ -88,19 +127,34 @@ def _split_replies(session: Session, live: list[_Row]) -> None:
         live[i].pending = live[i].pending[-1:]
 
 
-def _admitted(waiting: deque, rows: list[_Row], busy: int, max_rows: int) -> list[_Row]:
-    """The rows that start now: waiting units taken in order while there is
-    room (a unit may start in part: what is left of it stays first in line)."""
-    admit: list[_Row] = []
-    while waiting and (not max_rows or busy + len(admit) < max_rows):
-        unit = waiting[0]
-        take = len(unit) if not max_rows else max_rows - busy - len(admit)
-        admit.extend(rows[i] for i in unit[:take])
-        if take >= len(unit):
-            waiting.popleft()
-        else:
-            waiting[0] = unit[take:]
-    return admit
+class _Listed:
+    """`generate`'s source: a fixed list of episodes in admission units."""
+
+    def __init__(self, episodes: list[Admission], grouped: list[list[int]]):
+        self.episodes = episodes
+        self.waiting = deque(grouped)
+
+    def admit(self, room: int | None, idle: bool) -> list[Admission]:
+        """Waiting units taken in order while there is room (a unit may start
+        in part: what is left of it stays first in line)."""
+        out: list[Admission] = []
+        while self.waiting and (room is None or len(out) < room):
+            unit = self.waiting[0]
+            take = len(unit) if room is None else room - len(out)
+            out.extend(self.episodes[i] for i in unit[:take])
+            if take >= len(unit):
+                self.waiting.popleft()
+            else:
+                self.waiting[0] = unit[take:]
+        return out
+
+    def upcoming(self) -> set[tuple[int, ...]]:
+        return {tuple(self.episodes[u[0]].prompt) for u in self.waiting}
+
+
+def distribution(params: SamplingParams) -> tuple[float, int, float]:
+    """What of `params` the sampled distribution depends on (the rest are limits)."""
+    return (params.temperature, params.top_k, params.top_p)
 
 
 def seeded_keys(seed: int, rows: int) -> list[bytes]:
@@ -141,7 +195,6 @@ class Engine:
     def _session(self, batch: int) -> Session:
         return Session(self.backend, batch, self.pad_id)
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -180,28 +233,61 @@ class Engine:
             keys = seeded_keys(seed, len(prompts))
         if len(keys) != len(prompts):
             raise ValueError("one draw key per prompt")
-        stops = StopMatcher(self.tokenizer, params.stop)
-        rows = [
-            _Row(Episode(list(p), self.version), r, list(p), k)
-            for p, r, k in zip(prompts, responders, keys, strict=True)
+        episodes: list = [None] * len(prompts)
+        listed = [
+            Admission(p, r, k, done=partial(episodes.__setitem__, i))
+            for i, (p, r, k) in enumerate(zip(prompts, responders, keys, strict=True))
         ]
         share = share_prefix and all(len(p) >= 2 for p in prompts)
-        waiting = deque(units(prompts, max_rows) if share else [list(range(len(rows)))])
+        grouped = units(prompts, max_rows) if share else [list(range(len(prompts)))]
+        self.run(_Listed(listed, grouped), params, max_rows, share, split_replies)
+        return episodes
+
+    @torch.inference_mode()
+    def run(
+        self,
+        source: Source,
+        params: SamplingParams,
+        max_rows: int = 0,
+        share_prefix: bool = True,
+        split_replies: bool = True,
+    ) -> None:
+        """Episodes from `source` until it has none left, each handed to its
+        admission's `done` as it ends; sampled from `params`' distribution,
+        within each admission's limits (`params`' where it names none).
+
+        Before every step the source is asked for the episodes that start
+        now, as many as there are free places (`max_rows`; 0: no bound):
+        they take the places of ended rows in the running batch (continuous
+        batching). With `share_prefix`, the episodes admitted together are
+        prefilled once per distinct prompt, and a prompt's prefill is kept
+        while the source says more of it is to come; `split_replies` as in
+        `generate`.
+        """
+        if max_rows < 0:
+            raise ValueError("max_rows must be >= 0")
+        matchers: dict[tuple[str, ...], StopMatcher] = {}
         # The session's rows; None where an episode ended and no row has
         # taken its place yet (dropped before the next step).
         live: list[_Row | None] = []
         session: Session | None = None
-        prefixes: dict[tuple[int, ...], Session] = {}  # prompts of groups still waiting
-        while waiting or live:
-            # Fill the free rows from the waiting units, in order (a unit
-            # may start in part: its rows still share one prefill), all
-            # admitted rows prefilled together.
+        prefixes: dict[tuple[int, ...], Session] = {}  # prompts still to come
+        while True:
+            # Fill the free rows from the source, in order (rows of one
+            # prompt still share one prefill), all admitted rows prefilled
+            # together.
             free = [i for i, r in enumerate(live) if r is None]
-            admit = _admitted(waiting, rows, len(live) - len(free), max_rows)
+            busy = len(live) - len(free)
+            room = max_rows - busy if max_rows else None
+            handed = source.admit(room, busy == 0) if room != 0 else []
+            if busy == 0 and not handed:
+                return
+            admit = [self._row(a, params, matchers) for a in handed]
             if admit:
+                share = share_prefix and all(len(r.pending) >= 2 for r in admit)
                 part = self._prefilled(admit, prefixes) if share else self._session(len(admit))
-                if share:
-                    wanted = {tuple(rows[u[0]].pending) for u in waiting}
+                if share and prefixes:
+                    wanted = source.upcoming()
                     prefixes = {p: s for p, s in prefixes.items() if p in wanted}
                 if session is None:
                     session, live = part, list(admit)
@@ -221,11 +307,25 @@ class Engine:
             got = sample(session.step([r.pending for r in live]), params, draws)
             for i, row in enumerate(live):
                 taken = (int(got.tokens[i]), float(got.logprobs[i]), float(got.below[i]))
-                if not self._advance(row, *taken, params, stops):
+                if not self._advance(row, *taken):
                     live[i] = None
+                    if row.done is not None:
+                        row.done(row.episode)
             if all(r is None for r in live):
                 live, session = [], None
-        return [r.episode for r in rows]
+
+    def _row(self, episode: Admission, params: SamplingParams, matchers: dict) -> _Row:
+        limits = episode.limits or params
+        if distribution(limits) != distribution(params):
+            raise ValueError("an episode's sampling distribution must be the run's")
+        if len(episode.prompt) == 0:
+            raise ValueError("empty prompt")
+        stops = matchers.get(limits.stop)
+        if stops is None:
+            stops = matchers[limits.stop] = StopMatcher(self.tokenizer, limits.stop)
+        prompt = list(episode.prompt)
+        ep = Episode(prompt, self.version)
+        return _Row(ep, episode.respond, list(prompt), episode.key, limits, stops, episode.done)
 
     @staticmethod
     def _drop_ended(session: Session, live: list[_Row | None]) -> None:
@@ -259,9 +359,9 @@ class Engine:
             joined.extend(other)
         return joined.take(index)
 
-    def _advance(self, row: _Row, token: int, logprob: float, below: float, params, stops) -> bool:
+    def _advance(self, row: _Row, token: int, logprob: float, below: float) -> bool:
         """Record a sampled token; False when the episode is over."""
-        ep = row.episode
+        ep, params, stops = row.episode, row.limits, row.stops
         ep.add([token], True, [logprob], [below])
         row.turn.append(token)
         if token in self.eos_ids and not params.ignore_eos:
