@@ -24,7 +24,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         help=f"named settings: {' | '.join(RUN_PRESETS)} (config/presets.py); default: the "
         "one made for --env (smoke, searchqa: demo), custom for any other --env, else demo",
     )
-    p.add_argument("--config", type=Path, help="run.toml: run keys, [trainer], [worker] tables")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="run.toml: run keys, [trainer], [worker] tables (`colonnade config show` writes one)",
+    )
     add_env_arg(p)
     run = p.add_argument_group("run settings", "each is also a top-level key of --config")
     dests = {"run": add_flags(run, RunConfig, skip=("preset",))}
@@ -68,7 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "show",
         usage="colonnade config show [--preset NAME] [--config FILE] [--SETTING VALUE ...]",
         help="print the effective run, trainer and worker settings as TOML",
-        description="Print every role's settings after preset, --config file and flags.",
+        description="Print every role's settings after preset, --config file and flags, "
+        "as a run file that loads back: `colonnade run --config FILE`, and "
+        "`colonnade trainer --config FILE` / `colonnade worker --config FILE`, which read "
+        "their own table. The paths the run makes under its folder (its store, the keys) "
+        "are printed once --out names the folder, else left empty (each role's default). "
+        "An unknown environment or model is refused here, in one line.",
     )
     _run_flags(show)
     show.set_defaults(handler=_show)

@@ -4,8 +4,10 @@
 `--help` and docs read it from there). `load_config` rejects keys the
 dataclass does not have and values of the wrong type, naming them, so a typo
 in a TOML file fails at start instead of being silently ignored; then the
-config's own `check` (ranges) runs, so a bad value fails when the config is
-built and not later in another process.
+config's own `check` (ranges, and the environment and model names) runs, so
+a bad value fails when the config is built and not later in another process.
+A role's file may also be a whole run file: the role reads its own table
+(docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from colonnade.untrusted import is_int, is_number
 T = TypeVar("T")
 HELP = "help"  # field metadata: the setting's one-line documentation
 CHOICES = "choices"
+# A run file's role tables: a role config names its own as its class's TABLE.
+RUN_TABLES = ("trainer", "worker")
+# The run's keys that `colonnade run` hands its roles unchanged.
+HANDED_DOWN = ("store", "endpoint_url", "env", "model")
 
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -57,25 +63,47 @@ def _accepts(tp: Any, value: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _read(cls: type, path: Path) -> tuple[dict[str, Any], str]:
+    """The settings of `cls` in the TOML file at `path`, and where they were
+    found (for errors). A run file (one with a [trainer] or [worker] table, as
+    `colonnade config show` and `colonnade run` write it) gives a role its own
+    table; the run's keys it hands its roles as they are (HANDED_DOWN) fill in
+    what the table leaves out. The rest of a run file is the run's."""
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"config {path}: {e}") from None
+    table = getattr(cls, "TABLE", None)
+    if table is None or not any(isinstance(doc.get(t), dict) for t in RUN_TABLES):
+        return doc, str(path)
+    own = doc.get(table, {})
+    if not isinstance(own, dict):
+        raise ValueError(f"config {path}: {table} is not a table")
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    handed = {k: doc[k] for k in HANDED_DOWN if k in names and doc.get(k) not in (None, "")}
+    return {**handed, **own}, f"[{table}] of {path}"
+
+
 def load_config(
     cls: type[T], path: Path | None = None, base: dict | None = None, **overrides: Any
 ) -> T:
     """cls(**(base | TOML at `path` | non-None overrides)), checked field by field.
 
     `base` holds named defaults (a preset); the file beats it, flags beat both.
+    A run file at `path` gives a role config its own table (`_read`).
     """
     values: dict[str, Any] = dict(base or {})
+    where = ""
     if path is not None:
-        try:
-            values.update(tomllib.loads(Path(path).read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"config {path}: {e}") from None
+        found, source = _read(cls, path)
+        values.update(found)
+        where = f" in {source}"
     values.update({k: v for k, v in overrides.items() if v is not None})
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} setting(s): {', '.join(unknown)}")
+        raise ValueError(f"unknown {cls.__name__} setting(s){where}: {', '.join(unknown)}")
     for k, v in values.items():
         if not _accepts(hints[k], v):
             raise ValueError(f"{k}: expected {hints[k]}, got {v!r}")

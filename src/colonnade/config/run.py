@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .loading import setting
+from .names import check_env, check_model
 
 
 @dataclass
@@ -62,6 +63,8 @@ class RunConfig:
 
     def check(self) -> None:
         """Settings no run can start with: a ValueError naming them."""
+        check_env(self.env)
+        check_model(self.model)
         if min(self.workers, self.eval_n, self.eval_every, self.eval_during_n) < 0:
             raise ValueError("workers, eval_n, eval_every and eval_during_n must be >= 0")
         if self.threads < 1 or self.eval_batch < 1:

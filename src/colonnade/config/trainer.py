@@ -7,10 +7,12 @@ transformers. Every field's help is its `--flag`'s help (`config.flags`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from colonnade.choices import HASHES, PUBLISHED_PRECISIONS
 
 from .loading import setting
+from .names import check_env, check_model
 
 DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cuda", "mps", "cpu")
@@ -18,6 +20,8 @@ DEVICES = ("auto", "cuda", "mps", "cpu")
 
 @dataclass
 class TrainerConfig:
+    TABLE: ClassVar[str] = "trainer"  # its table in a run file
+
     store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
     profile: str | None = setting(None, "credentials profile for the run's store (s3://)")
@@ -171,6 +175,8 @@ class TrainerConfig:
 
     def check(self) -> None:
         """Settings no step can run with: a ValueError naming them."""
+        check_env(self.env)
+        check_model(self.model)
         if self.hash not in HASHES:
             raise ValueError(f"hash {self.hash!r}: choose one of {', '.join(HASHES)}")
         if self.dtype not in DTYPES:

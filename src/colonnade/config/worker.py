@@ -7,6 +7,7 @@ precision) comes from the run's run.json, written by the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from colonnade.choices import ENGINE_CHOICES
 
@@ -17,6 +18,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 
 @dataclass
 class WorkerConfig:
+    TABLE: ClassVar[str] = "worker"  # its table in a run file
+
     store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
     profile: str | None = setting(None, "credentials profile for the run's store (read only)")

@@ -91,38 +91,66 @@ def eval_sampling(cfg: RunConfig) -> SamplingParams:
 
 
 TRAINER_KEY = "trainer-key/trainer.key"  # under the run's out folder
+# Paths the run makes under its out folder, which a table may name otherwise;
+# left empty (as `config show` writes them before the folder is known) they
+# are the run's.
+_RUN_PATHS = ("key", "worker_keys", "trust")
 
 
 def role_configs(cfg: RunConfig, model_path: str | None = None):
-    """(TrainerConfig, WorkerConfig) the run's processes will use."""
+    """(TrainerConfig, WorkerConfig) the run's processes will use.
+
+    Paths under the run's folder (the store, the trainer's key, the workers'
+    keys) only once `out` is known (`launch.run.prepare` fixes it): until
+    then they are left to each role's own default, never a placeholder."""
     table = dict(cfg.trainer)
     preset = table.pop("preset", None)
     base = dict(TRAINER_PRESETS.get(preset, {})) if preset else {}
     if preset and preset not in TRAINER_PRESETS:
         raise ValueError(f"[trainer] preset {preset!r} is not one of {', '.join(TRAINER_PRESETS)}")
-    store = cfg.store or str(Path(cfg.out or ".") / "store")
+    out = Path(cfg.out) if cfg.out else None
+    store = cfg.store or (str(out / "store") if out else "")
+    run = {"store": store, "endpoint_url": cfg.endpoint_url}
+    decided = {**run, "env": cfg.env, "model": cfg.model, "metrics_port": cfg.metrics_port}
     base.update(env=cfg.env, model=model_path or cfg.model)
-    if cfg.sign:
-        base["worker_keys"] = str(Path(cfg.out or ".") / "keys")
-    # The trainer's key, made by the launcher; its workers pin its .pub.
-    key = Path(cfg.out or ".") / TRAINER_KEY
-    base["key"] = str(key)
+    if out is not None:
+        if cfg.sign:
+            base["worker_keys"] = str(out / "keys")
+        # The trainer's key, made by the launcher; its workers pin its .pub.
+        base["key"] = str(out / TRAINER_KEY)
     trainer = load_config(
         TrainerConfig,
-        base={**base, **table},
+        base={**base, **_own(table, "trainer", decided)},
         store=store,
         endpoint_url=cfg.endpoint_url,
         metrics_port=cfg.metrics_port,
         metrics_host=cfg.metrics_host,
     )
+    trust = str(Path(trainer.key).with_suffix(".pub")) if trainer.key else ""
     worker = load_config(
         WorkerConfig,
-        base={"trust": str(Path(trainer.key).with_suffix(".pub")), **cfg.worker},
+        base={"trust": trust, **_own(dict(cfg.worker), "worker", run)},
         store=store,
         endpoint_url=cfg.endpoint_url,
         metrics_host=cfg.metrics_host,
     )
     return trainer, worker
+
+
+def _own(table: dict, name: str, decided: dict) -> dict:
+    """The [name] table's settings that go over the run's: a setting the run
+    decides for its processes (`decided`) may only repeat the run's value, as
+    `config show` writes it, and a path the run makes left empty is the run's."""
+    out = {}
+    for k, v in table.items():
+        if k in decided and v not in ("", decided[k]):
+            raise ValueError(
+                f"[{name}] {k} = {v!r} differs from the run's {decided[k]!r}: "
+                f"set {k} at the top level, not in [{name}]"
+            )
+        if k not in decided and not (k in _RUN_PATHS and v == ""):
+            out[k] = v
+    return out
 
 
 def _toml_value(v: Any) -> str:
