@@ -57,7 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": _SIDE | {"engine"},
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
-    "operate": BASE | {"config", "store", "pulse", "protocol", "telemetry", "report"},
+    "operate": BASE | {"config", "store", "envs", "pulse", "protocol", "telemetry", "report"},
     "launch": _RUN | {"operate"},
     "cli": _RUN | {"launch", "operate"},
     "bench": _RUN | {"launch"},

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, evaluate, export, exporter, plan, pulse, roles, run, status
+from . import bench, evaluate, export, exporter, invite, plan, pulse, roles, run, status
 
 
 class CliError(Exception):
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     roles.register(sub)
     roles.register_keys(sub)
     evaluate.register(sub)
+    invite.register(sub)
     export.register(sub)
     exporter.register(sub)
     pulse.register(sub)

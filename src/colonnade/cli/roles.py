@@ -55,21 +55,24 @@ def _register_worker(sub: argparse._SubParsersAction) -> None:
 
     w = sub.add_parser(
         "worker",
-        usage="colonnade worker --store URL [--config FILE] [--SETTING VALUE ...]",
+        usage="colonnade worker (--join STRING | --store URL) [--config FILE] "
+        "[--SETTING VALUE ...]",
         help="generate rollouts for a run (everything else comes from run.json)",
         description="Run a rollout worker: follows the newest published weights, generates "
         "groups of episodes with the int8 engine and uploads them. Stops when the run is "
-        "done, or on SIGTERM / Ctrl-C after the batch in flight.",
+        "done, or on SIGTERM / Ctrl-C after the batch in flight. --join takes the string "
+        "`colonnade invite` prints (the store, its endpoint, the trainer's key); credentials "
+        "come from the environment or --profile either way.",
     )
     _common(w)
     w.set_defaults(handler=_worker, setting_dests=_settings(w, WorkerConfig))
 
 
-def _need_store(cfg) -> None:
+def _need_store(cfg, flags: str = "--store") -> None:
     from .main import CliError
 
     if not cfg.store:
-        raise CliError("no store given: pass --store or set `store` in the --config file")
+        raise CliError(f"no store given: pass {flags} or set `store` in the --config file")
 
 
 def _logging(level: str) -> None:
@@ -109,9 +112,19 @@ def _trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _threads(n: int) -> None:
+    """torch's intra-op threads (0: leave its default). MLX has no such
+    setting (on a Mac it computes on the GPU)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from colonnade.config import WorkerConfig, flag_values, load_config
     from colonnade.engine import BackendUnavailable, UnsupportedArchitecture
+    from colonnade.operate.join import apply_join
     from colonnade.protocol import ProtocolMismatch
     from colonnade.rollout.worker import Quarantined, Worker
 
@@ -119,8 +132,11 @@ def _worker(args: argparse.Namespace) -> int:
 
     _logging(args.log_level)
     try:
-        cfg = load_config(WorkerConfig, args.config, **flag_values(args, args.setting_dests))
-        _need_store(cfg)
+        cfg = apply_join(
+            load_config(WorkerConfig, args.config, **flag_values(args, args.setting_dests))
+        )
+        _need_store(cfg, "--join (from `colonnade invite`) or --store")
+        _threads(cfg.threads)
         worker = Worker(cfg)
     except (ValueError, BackendUnavailable) as e:
         raise CliError(str(e)) from None

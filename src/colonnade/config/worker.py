@@ -21,6 +21,11 @@ class WorkerConfig:
     TABLE: ClassVar[str] = "worker"  # its table in a run file
 
     store: str = setting("", "run prefix: a directory, file:///dir or s3://bucket/prefix")
+    join: str = setting(
+        "",
+        "a join string from `colonnade invite` (colonnade1:…): sets the store, its endpoint "
+        "and the trainer's key to pin; credentials still come from this machine",
+    )
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS); default AWS")
     profile: str | None = setting(None, "credentials profile for the run's store (read only)")
     inbox_profile: str | None = setting(
@@ -52,6 +57,11 @@ class WorkerConfig:
         "authentication)",
     )
     key: str = setting("", "private key file from `colonnade keys new` (signs batches)")
+    threads: int = setting(
+        0,
+        "torch's intra-op threads, which the engine computes with (0: torch's default, one "
+        "per core or OMP_NUM_THREADS); MLX has no such setting",
+    )
 
     def check(self) -> None:
         """Settings no worker can run with: a ValueError naming them."""
@@ -61,3 +71,5 @@ class WorkerConfig:
             raise ValueError("max_batches must be >= 0 and poll_seconds > 0")
         if self.join_timeout <= 0:
             raise ValueError("join_timeout must be > 0")
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")
