@@ -45,9 +45,9 @@ PATCH_SHARES = {"lr 1e-6": 2.4e-5, "lr 1e-5": 3.3e-4, "worst": 0.116}
 # The trainer's ranks time out a collective after store_outage_seconds plus
 # this (train/trainer.py, `init_distributed`).
 COLLECTIVE_SLACK_S = 1800.0
-# A worker heartbeats after an upload, so it is silent for a whole batch;
-# twice the batch leaves one batch of slack before it reads as gone.
-HEARTBEAT_BATCHES = 2.0
+# How long rank 0 waits for every rank's checkpoint shards before it gives
+# the checkpoint up (train/checkpoint.py, `Checkpointer.ranks_seconds`).
+RANKS_WAIT_S = 3600.0
 # One chunk's fp32 logits live three times over in the head's backward: the
 # logits, their log-softmax and its gradient.
 LOGIT_COPIES = 3
@@ -560,10 +560,10 @@ def _timeouts(sec: Section, c: Counts, s: Setting, batch: float) -> None:
     sec.add(
         "heartbeat_timeout",
         "heartbeat_timeout (suggested)",
-        max(s.heartbeat_timeout, 10 * math.ceil(HEARTBEAT_BATCHES * batch / 10)),
+        s.heartbeat_timeout,
         "s",
-        "a worker heartbeats after an upload, silent for a whole batch: two batches, never "
-        f"below the default {s.heartbeat_timeout:g}",
+        "a worker heartbeats every 20 s from a thread of its own, whatever its batch time "
+        "(rollout/worker.py): the default holds",
     )
     timeout = s.store_outage_seconds + COLLECTIVE_SLACK_S
     sec.add(
@@ -578,10 +578,11 @@ def _timeouts(sec: Section, c: Counts, s: Setting, batch: float) -> None:
     sec.add(
         "upload_mbs",
         "checkpoint upload, least rate per rank",
-        per_rank(size, s.ranks) / timeout / 1e6,
+        per_rank(size, s.ranks) / RANKS_WAIT_S / 1e6,
         "MB/s",
-        "each rank uploads its shard before the barrier that ends a checkpoint: slower "
-        "than this, the collective times out (raise store_outage_seconds)",
+        "each rank uploads its shard in the background while training goes on; rank 0 "
+        f"commits the checkpoint once every shard is up, waiting at most {RANKS_WAIT_S:g} s "
+        "(train/checkpoint.py): slower than this, the checkpoint is not committed",
     )
     sec.add(
         "download_mbs",

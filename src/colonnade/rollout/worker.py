@@ -42,6 +42,7 @@ import os
 import platform
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +89,10 @@ from .weights import EngineLoader, Installed, Weights
 __all__ = ["Joined", "Quarantined", "Stop", "Worker", "wait_for_run"]
 
 log = logging.getLogger("colonnade.worker")
-# A heartbeat at most this often (and with the first batch): the trainer
-# counts workers alive over `heartbeat_timeout`.
+# A heartbeat this often from a thread of its own (and with the first
+# batch), however long a batch takes or the worker waits for a slot: the
+# trainer counts workers alive over `heartbeat_timeout`, and `colonnade
+# status` calls a worker stalled by it.
 HEARTBEAT_SECONDS = 20.0
 
 
@@ -194,7 +197,6 @@ class Worker:
         self.tally = Tally()
         self.seq = 0
         self.batches = 0
-        self._beat = 0.0  # when the last heartbeat went up
 
     def setup(self) -> None:
         """Join the run: run.json (its key pinned), the inbox, the model's
@@ -270,9 +272,14 @@ class Worker:
         """Loop until the run is done, a signal, or max_batches; the exit status."""
         self.stop.install()
         self.setup()
+        beating = threading.Event()
+        beat = threading.Thread(target=self._beating, args=(beating,), daemon=True)
+        beat.start()
         try:
             self._loop()
         finally:
+            beating.set()
+            beat.join(timeout=30)
             try:
                 self.weights.close()
             except (StoreError, VersionError) as e:  # a fetch nobody will use any more
@@ -327,7 +334,7 @@ class Worker:
         # the demand for the next claim, and a newer version to fetch.
         self.watch.poll()
         log.info("uploaded %s (%d groups, %.1f s)", key, len(batch.groups), seconds)
-        if time.monotonic() - self._beat >= HEARTBEAT_SECONDS or self.batches == 1:
+        if self.batches == 1:  # the first batch says at once that the worker runs
             self.heartbeat()
         self.record(batch, seconds)
 
@@ -410,6 +417,16 @@ class Worker:
             if self.joined.inbox.put_if_absent(key, data):  # a restarted worker skips used seqs
                 return key
 
+    def _beating(self, done: threading.Event) -> None:
+        """A heartbeat every HEARTBEAT_SECONDS once a version runs, until `done`."""
+        while not done.wait(HEARTBEAT_SECONDS):
+            if self.running_version is None:
+                continue
+            try:
+                self.heartbeat()
+            except StoreError as e:  # the next beat tries again
+                log.warning("heartbeat not written: %s", e)
+
     def heartbeat(self) -> None:
         loader = self.weights.loader
         hb = WorkerHeartbeat(
@@ -426,7 +443,6 @@ class Worker:
             started=self.joined.started,
         )
         self.joined.inbox.put(keys.heartbeat_key(self.id), hb.to_json())
-        self._beat = time.monotonic()
 
     def record(self, batch: RolloutBatch, seconds: float) -> None:
         self.joined.telemetry.write(self.tally.row(batch, seconds, self.watch.newest))
