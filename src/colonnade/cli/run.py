@@ -12,7 +12,7 @@ from .envargs import add_env_arg, env_kwargs
 # one is --trainer.NAME. Settings the run itself decides are not flags.
 TRAINER_SHORTCUTS = ("max_versions", "max_lag", "device")
 _SET_BY_RUN = ("store", "endpoint_url", "env", "model", "metrics_port", "metrics_host")
-_WORKER_SET_BY_RUN = (*_SET_BY_RUN, "id", "key")
+_WORKER_SET_BY_RUN = (*_SET_BY_RUN, "id", "key", "join")
 
 
 def _run_flags(p: argparse.ArgumentParser) -> None:

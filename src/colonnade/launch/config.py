@@ -111,7 +111,8 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
     out = Path(cfg.out) if cfg.out else None
     store = cfg.store or (str(out / "store") if out else "")
     run = {"store": store, "endpoint_url": cfg.endpoint_url}
-    decided = {**run, "env": cfg.env, "model": cfg.model, "metrics_port": cfg.metrics_port}
+    decided = {**run, "env": cfg.env, "model": cfg.model, "metrics_port": cfg.metrics_port,
+               "metrics_host": cfg.metrics_host}  # fmt: skip
     base.update(env=cfg.env, model=model_path or cfg.model)
     if out is not None:
         if cfg.sign:
@@ -129,7 +130,7 @@ def role_configs(cfg: RunConfig, model_path: str | None = None):
     trust = str(Path(trainer.key).with_suffix(".pub")) if trainer.key else ""
     worker = load_config(
         WorkerConfig,
-        base={"trust": trust, **_own(dict(cfg.worker), "worker", run)},
+        base={"trust": trust, **_own(dict(cfg.worker), "worker", {**run, "join": ""})},
         store=store,
         endpoint_url=cfg.endpoint_url,
         metrics_host=cfg.metrics_host,
