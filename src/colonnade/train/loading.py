@@ -7,7 +7,11 @@ model's skeleton on the meta device (`model.skeleton`: buffers real,
 parameters shapes only), FSDP2 shards it (`policy.build_policy`), the shards
 are allocated empty on the rank's device, and each one is filled from the
 safetensors files by reading the slice of rows the rank owns
-(`safe_open(...).get_slice`), one tensor at a time. A rank's peak is its
+one tensor at a time: a shard's rows are contiguous in the file (FSDP2
+shards dim 0), so they are read with `readinto` straight into the shard
+where the dtypes agree, through one slice-sized buffer where they do not.
+Not through safetensors' memory map: the file pages a rank touched would
+count in its resident memory until the file closes. A rank's peak is its
 shard plus the largest slice in flight.
 
 Tied weights (a head sharing the embedding) are one parameter, listed once:
@@ -18,10 +22,25 @@ is an error, not a random init.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from torch import nn
+
+# safetensors dtype names -> torch dtypes (the ones a model's weights use)
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER = 100 << 20  # bytes of a safetensors header we read
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -35,6 +54,37 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     if not single.exists():
         raise FileNotFoundError(f"{root}: no model.safetensors (nor an index of shards)")
     return [single]
+
+
+def header(path: Path) -> tuple[dict, int]:
+    """(the safetensors header: name -> {dtype, shape, data_offsets}, where the data begins)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER:
+            raise ValueError(f"{path.name}: a safetensors header of {n} bytes")
+        head = json.loads(f.read(n))
+    head.pop("__metadata__", None)
+    return head, 8 + n
+
+
+def read_rows(f, info: dict, start: int, rows: tuple[slice, ...], out: torch.Tensor) -> int:
+    """Read the rows `rows[0]` of one tensor (described by `info`, its data at
+    `start` in the open file `f`) into `out`; the bytes read."""
+    dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+    row = dtype.itemsize
+    for n in shape[1:]:
+        row *= n
+    first, stop = (rows[0].start, rows[0].stop) if shape else (0, 1)
+    f.seek(start + info["data_offsets"][0] + first * row)
+    size = (stop - first) * row
+    target = (
+        out if out.dtype == dtype and out.is_contiguous() else torch.empty(out.shape, dtype=dtype)
+    )
+    if size and f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != size:
+        raise ValueError(f"{getattr(f, 'name', 'file')}: short read")
+    if target is not out:
+        out.copy_(target)
+    return size
 
 
 def owned_rows(param: torch.Tensor) -> tuple[slice, ...]:
@@ -82,8 +132,6 @@ def load_owned(module: nn.Module, model_dir: str | Path, prefix: str = "") -> in
     """Fill `module`'s (sharded) parameters from `model_dir`'s safetensors,
     each rank reading only its own rows; `prefix`: the checkpoint's names
     sit under it in `module`. The bytes this rank read."""
-    from safetensors import safe_open
-
     params = dict(module.named_parameters())  # a tied parameter once, under one name
     by_tensor = {id(p): name for name, p in params.items()}
     # every name a parameter answers to (tied ones have several)
@@ -95,23 +143,24 @@ def load_owned(module: nn.Module, model_dir: str | Path, prefix: str = "") -> in
     filled: set[str] = set()
     read = 0
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+        head, start = header(path)
+        with open(path, "rb", buffering=0) as f:
+            for key, info in head.items():
                 name = answers.get(prefix + key)
                 if name is None or name in filled:
                     continue  # not a parameter (a buffer saved), or a tied copy
                 param = params[name]
-                if tuple(f.get_slice(key).get_shape()) != tuple(param.shape):
+                if tuple(info["shape"]) != tuple(param.shape) or info["dtype"] not in _DTYPES:
                     raise ValueError(
-                        f"{path.name}: {key} has shape {f.get_slice(key).get_shape()}, "
+                        f"{path.name}: {key} is {info['dtype']} {info['shape']}, "
                         f"the model's is {tuple(param.shape)}"
                     )
                 rows = owned_rows(param)
-                part = f.get_slice(key)[rows]
+                if any(s != slice(0, n) for s, n in zip(rows[1:], param.shape[1:], strict=True)):
+                    raise ValueError(f"{key}: a shard that is not whole rows")
                 local = param.to_local() if hasattr(param, "to_local") else param.data
                 with torch.no_grad():
-                    local.copy_(part.to(dtype=local.dtype))
-                read += part.numel() * part.element_size()
+                    read += read_rows(f, info, start, rows, local)
                 filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
