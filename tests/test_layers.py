@@ -17,7 +17,8 @@ itself):
    rollout engine (episodes over a pluggable backend), over protocol's
    episode contract;
 4. the two sides, which never import each other: `rollout` (the worker)
-   and `train` (the trainer);
+   and `train` (the trainer); beside them `serve`, the engine behind an
+   OpenAI-compatible endpoint, which imports neither;
 5. `report`: reads a run's store through protocol and telemetry, whichever
    side wrote it; it imports neither side;
 6. `operate` works on a run from the outside (its status, from the store
@@ -56,11 +57,12 @@ ALLOWED: dict[str, set[str]] = {
     "engine": _BELOW_PROTOCOL | {"protocol"},
     "rollout": _SIDE | {"engine"},
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
+    "serve": _BELOW_PROTOCOL | {"protocol", "engine"},
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
     "operate": BASE | {"config", "store", "envs", "pulse", "protocol", "telemetry", "report"},
     "launch": _RUN | {"operate"},
-    "cli": _RUN | {"launch", "operate"},
-    "bench": _RUN | {"launch"},
+    "cli": _RUN | {"launch", "operate", "serve"},
+    "bench": _RUN | {"launch", "serve"},
     "__main__": {"cli"},
     "__init__": set(),
 }

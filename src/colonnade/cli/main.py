@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, evaluate, export, exporter, invite, plan, pulse, roles, run, status
+from . import bench, evaluate, export, exporter, invite, plan, pulse, roles, run, serve, status
 
 
 class CliError(Exception):
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.register(sub)
     exporter.register(sub)
     pulse.register(sub)
+    serve.register(sub)
     bench.register(sub)
     status.register(sub)
     plan.register(sub)
