@@ -9,8 +9,9 @@ from colonnade.bench.trainer import main
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
-KEYS = {"model", "device", "dtype", "grad_ckpt", "ranks", "step_s", "tokens_per_s",
-        "peak_mem_mb", "publish_s", "publish_blocked_s"}  # fmt: skip
+KEYS = {"case", "model", "device", "dtype", "grad_ckpt", "ranks", "step_s", "tokens_per_s",
+        "peak_mem_mb", "publish_s", "publish_blocked_s", "load_peak_rss_mb",
+        "peak_rss_mb"}  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -25,13 +26,18 @@ def test_quick_trainer_bench_rows_and_two_ranks_match_one(tmp_path, monkeypatch,
         ("bf16", True, 1, False),
         ("bf16", True, 1, True),
         ("fp32", False, 2, True),
+        ("fp32", False, 2, True),
     ]
+    assert [r["case"] for r in rows][-2:] == ["fsdp2x2", "fsdp2x2+meta-init"]
     for r in rows:
         assert set(r) >= KEYS and r["model"] == "tiny" and r["device"] == "cpu"
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["publish_s"] > 0
         assert r["peak_mem_mb"] > 0 and r["publish_blocked_s"] >= 0
-    one, two = rows[0], rows[-1]
+    one, two, meta = rows[0], rows[-2], rows[-1]
     assert two["tokens"] == one["tokens"] > 0
     assert two["loss_rel_diff"] <= 1e-3 and two["grad_norm_rel_diff"] <= 1e-3
+    # Each rank reading its own rows trains the same model.
+    assert meta["loss"] == two["loss"] and meta["grad_norm"] == two["grad_norm"]
+    assert 0 < meta["load_peak_rss_mb"] <= meta["peak_rss_mb"]
     # bf16 computes differently from fp32, but on the same batch it is close.
     assert abs(rows[1]["loss"] - one["loss"]) <= 0.05 * abs(one["loss"]) + 1e-3
