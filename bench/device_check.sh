@@ -7,6 +7,8 @@
 #    installed, else skipped with a note) and the tiny model, fp32 against bf16
 #    against bf16 + activation checkpointing on 1 GPU: step seconds, tokens/s,
 #    peak GPU memory (max_memory_allocated), background publish seconds.
+#    1b: a Qwen3-1.7B-shaped model (random init) in bf16 + checkpointing under
+#    FSDP2 on one GPU: its step time, peak GPU memory and load peak RSS.
 # 2. A short `colonnade run --preset smoke` with the trainer on CUDA in bf16 and one
 #    CPU worker: step time, peak GPU memory and held-out pass@1 before and after.
 #
@@ -36,6 +38,11 @@ echo "== 1. bench trainer on CUDA"
 $PY -m colonnade bench trainer --device cuda --models smollm2-135m,tiny \
     --cases fp32,bf16,bf16+ckpt --steps 4 --groups 8 --group-size 8 --prompt 256 --gen 512 \
     --micro-tokens 16384 --json | tee "$OUT/bench_trainer.jsonl"
+
+echo "== 1b. bench trainer on CUDA at size: a Qwen3-1.7B shape (random init), FSDP2 on 1 GPU"
+$PY -m colonnade bench trainer --device cuda --models qwen3-1.7b \
+    --cases fsdp1+bf16+ckpt --steps 3 --groups 4 --group-size 8 --prompt 256 --gen 512 \
+    --micro-tokens 16384 --json | tee "$OUT/bench_trainer_1p7b.jsonl"
 
 echo "== 2. colonnade run: trainer on CUDA (bf16), one CPU worker"
 cat > "$OUT/run.toml" <<'EOF'
