@@ -57,11 +57,13 @@ def fetch_model(store: ObjectStore, spec: RunSpec):
     """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(tempfile.mkdtemp(prefix=f"colonnade-{spec.run_id}-"))
-    fetch_files(store, spec, folder)
-    config = AutoConfig.from_pretrained(folder)
+    # The files are read into memory here: the folder goes when this returns.
+    with tempfile.TemporaryDirectory(prefix=f"colonnade-{spec.run_id}-") as tmp:
+        folder = Path(tmp)
+        fetch_files(store, spec, folder)
+        config = AutoConfig.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.eval(), tok
