@@ -279,7 +279,7 @@ def test_a_store_without_a_run_is_one_error_line(tmp_path, capsys):
     assert err.startswith("error: no run.json under") and err.count("\n") == 1
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert not (tmp_path / "nowhere").exists()  # nothing written
-    assert "no such directory" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
 
 
 def test_json_of_a_run_directory_and_a_key_it_was_not_signed_with(tmp_path, signed_run, capsys):

@@ -245,7 +245,7 @@ def test_every_command_with_a_metrics_port_takes_a_metrics_host():
 
 def test_the_exporter_command_refuses_bad_input(tmp_path, capsys, signed_run):
     assert main(["exporter", str(tmp_path / "none")]) == 2
-    assert "no such directory" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
     assert main(["exporter", str(tmp_path)]) == 2  # no run.json
     assert "not a run" in capsys.readouterr().err
     assert main(["exporter", str(tmp_path), "--interval", "0"]) == 2

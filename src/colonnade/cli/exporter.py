@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 PORT = 9400  # deploy/prometheus.yml's first target
 INTERVAL_SECONDS = 15.0
@@ -88,29 +87,23 @@ def _open(args: argparse.Namespace):
     """(the store, the run as read from it); CliError for bad input. A run
     directory stands for its store; a local path must exist (opening one
     would create it)."""
+    from colonnade.operate.export import ExportError, store_at
     from colonnade.protocol.reader import open_run
     from colonnade.protocol.schemas import SchemaError
-    from colonnade.protocol.signing import trusted_fingerprint
-    from colonnade.store import NotFound, StoreError, open_store
+    from colonnade.store import NotFound, StoreError
 
+    from .export import trusted
     from .main import CliError
 
-    url = args.store
-    if "://" not in url or url.startswith("file://"):
-        local = Path(url.removeprefix("file://"))
-        if not local.is_dir():
-            raise CliError(f"{local}: no such directory")
-        if (local / "store" / "run.json").is_file():
-            url = str(local / "store")
+    fingerprint = trusted(args.trust)
     try:
-        trusted = trusted_fingerprint(args.trust) if args.trust is not None else None
-        store = open_store(url, endpoint_url=args.endpoint_url, profile=args.profile)
-        view = open_run(store, trusted, endpoint_url=args.endpoint_url, profile=args.profile)
+        store = store_at(args.store, args.endpoint_url, args.profile)
+        view = open_run(store, fingerprint, endpoint_url=args.endpoint_url, profile=args.profile)
     except NotFound:
         raise CliError(f"no run.json under {args.store}: not a run") from None
     except SchemaError as e:
         raise CliError(f"{args.store}: run.json does not verify: {e}") from None
-    except (StoreError, ValueError) as e:
+    except (ExportError, StoreError, ValueError) as e:
         raise CliError(str(e)) from None
     return store, view
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 WATCH_SECONDS = 5.0  # --watch without a value
 
@@ -80,22 +79,16 @@ def _status(args: argparse.Namespace) -> int:
 def _open(url: str, endpoint_url: str | None, trust: str | None):
     """(the store, the trusted fingerprint or None); CliError for bad input.
     A run directory stands for its store; a local path must exist (opening
-    one would create it)."""
-    from colonnade.protocol.signing import trusted_fingerprint
-    from colonnade.store import open_store
+    one would create it): `operate.export.store_at`."""
+    from colonnade.operate.export import ExportError, store_at
 
+    from .export import trusted
     from .main import CliError
 
-    if "://" not in url or url.startswith("file://"):
-        local = Path(url.removeprefix("file://"))
-        if not local.is_dir():
-            raise CliError(f"{local}: no such directory")
-        if (local / "store" / "run.json").is_file():
-            url = str(local / "store")
+    fingerprint = trusted(trust)
     try:
-        trusted = trusted_fingerprint(trust) if trust is not None else None
-        return open_store(url, endpoint_url=endpoint_url), trusted
-    except ValueError as e:
+        return store_at(url, endpoint_url), fingerprint
+    except (ExportError, ValueError) as e:
         raise CliError(str(e)) from None
 
 
