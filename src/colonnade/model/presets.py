@@ -49,19 +49,15 @@ class TinySpec:
 
 def build_tiny(out: Path, texts: Iterable[str], spec: TinySpec | None = None) -> None:
     """Train the tokenizer on `texts`, initialise the Llama under the seed, save both."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from .shapes import tiny_config
 
     spec = spec or TinySpec()
     tokenizer = train_bpe_tokenizer(texts, spec.vocab_size, spec.min_frequency)
-    config = LlamaConfig(
+    config = tiny_config(
+        spec,
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

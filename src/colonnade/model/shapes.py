@@ -66,12 +66,13 @@ QWEN3 = {
 }
 
 
-def tiny_config(spec: TinySpec | None = None):
-    """The `tiny` preset's LlamaConfig at its largest vocabulary (no tokenizer trained)."""
+def tiny_config(spec: TinySpec | None = None, **tokens):
+    """The `tiny` preset's LlamaConfig: at its largest vocabulary, or with the
+    trained tokenizer's `vocab_size` and token ids given (`presets.build_tiny`)."""
     from transformers import LlamaConfig
 
     spec = spec or TinySpec()
-    return LlamaConfig(
+    shape = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -81,6 +82,7 @@ def tiny_config(spec: TinySpec | None = None):
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,
     )
+    return LlamaConfig(**{**shape, **tokens})
 
 
 def smollm2_config():
