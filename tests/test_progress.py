@@ -64,3 +64,28 @@ def test_interval_and_durations(monkeypatch):
         "59m59s",
         "2h01m",
     ]
+
+
+def test_a_long_transfer_says_how_far_it_is_and_a_small_one_nothing(tmp_path):
+    import time
+
+    from colonnade.progress import TRANSFER_QUIET_BYTES, Transfer, folder_bytes
+
+    said: list[str] = []
+    total = 4 * TRANSFER_QUIET_BYTES
+    with Transfer(said.append, "downloading v3's anchor", total, lambda: folder_bytes(tmp_path),
+                  every=0.05):  # fmt: skip
+        (tmp_path / "part").write_bytes(b"x" * 1000)
+        time.sleep(0.3)
+    assert len(said) >= 3
+    assert "1.0 KB of 268.4 MB (0%)" in said[0] and said[0].startswith("downloading v3's anchor")
+    assert said[-1].startswith("downloading v3's anchor: 268.4 MB in ")  # the end, with a rate
+    quiet: list[str] = []
+    with Transfer(quiet.append, "a patch", TRANSFER_QUIET_BYTES - 1, every=0.01):
+        time.sleep(0.1)
+    assert quiet == []
+    # Where the bytes cannot be seen (an upload), the time so far.
+    up: list[str] = []
+    with Transfer(up.append, "uploading", total, every=0.05):
+        time.sleep(0.12)
+    assert up[0] == "uploading: 268.4 MB, 0s so far"

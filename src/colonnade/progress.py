@@ -1,4 +1,6 @@
-"""Progress of long work: the warm start, the evaluations, the wait for the first version.
+"""Progress of long work: the warm start, the evaluations, the wait for the
+first version, and large transfers (`Transfer`: anchors and checkpoint shards,
+a line every 30 s while one runs).
 
 Used by `colonnade run`, `colonnade eval` and `colonnade warmstart`. On a
 terminal it is rich's bar. Anywhere else (output to a file, `--no-live`
@@ -135,3 +137,76 @@ class Tracker:
         out = self.console.file
         out.write(self.line() + "\n")
         out.flush()
+
+
+# Transfers shorter than this say nothing: a patch, a small model's anchor.
+TRANSFER_QUIET_BYTES = 64 << 20
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def transfer_line(what: str, total: int, done: int | None, elapsed: float) -> str:
+    """One line of a transfer under way: bytes so far where they can be seen."""
+    if done is None:
+        return f"{what}: {_size(total)}, {duration(elapsed)} so far"
+    share = done / total if total else 0.0
+    rate = done / elapsed if elapsed > 0 else 0.0
+    return (
+        f"{what}: {_size(done)} of {_size(total)} ({share:.0%}), {_size(rate)}/s, "
+        f"{duration(elapsed)} elapsed"
+    )
+
+
+class Transfer:
+    """A line every `interval()` seconds while a large download or upload runs
+    (a worker fetching a multi-GB anchor otherwise says nothing for minutes),
+    from a background thread, to `say` (a logger's info), and one when it
+    ends; nothing for transfers under TRANSFER_QUIET_BYTES. `done()` gives
+    the bytes so far where the caller can see them (a download's folder)."""
+
+    def __init__(self, say, what: str, total: int, done=None, every: float | None = None):
+        self.say, self.what, self.total, self.done = say, what, total, done
+        self.every = every or interval()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> Transfer:
+        self._t0 = time.monotonic()
+        if self.total >= TRANSFER_QUIET_BYTES:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="transfer")
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            if exc_type is None:
+                elapsed = time.monotonic() - self._t0
+                rate = self.total / elapsed if elapsed > 0 else 0.0
+                self.say(f"{self.what}: {_size(self.total)} in {duration(elapsed)} "
+                         f"({_size(rate)}/s)")  # fmt: skip
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            done = None
+            if self.done is not None:
+                try:
+                    done = int(self.done())
+                except OSError:  # the folder changed under us: say what is known
+                    done = None
+            self.say(transfer_line(self.what, self.total, done, time.monotonic() - self._t0))
+
+
+def folder_bytes(folder) -> int:
+    """Bytes of the files in `folder` (a download's own folder: what has arrived)."""
+    from pathlib import Path
+
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
 from colonnade import pulse
+from colonnade.progress import Transfer, folder_bytes
 from colonnade.pulse.hashing import algo_of
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
 
@@ -41,6 +43,7 @@ from .schemas import MAX_JSON_BYTES, Demand, Latest, SchemaError, VersionMeta
 from .signing import Signer, Trust
 
 log = logging.getLogger("colonnade.trainer")
+_wlog = logging.getLogger("colonnade.worker")  # an anchor is downloaded by a worker (or an eval)
 
 State = Mapping[str, torch.Tensor]
 
@@ -123,7 +126,8 @@ class Publisher:
                 st_save_file(new, path)
                 sizes.update(anchor_bytes=path.stat().st_size,
                              anchor_hash=pulse.digest_file(path, algo))  # fmt: skip
-                self.store.put_file(keys.full_key(v), path)
+                with Transfer(log.info, f"uploading v{v}'s anchor", sizes["anchor_bytes"]):
+                    self.store.put_file(keys.full_key(v), path)
         meta = VersionMeta(
             version=v,
             anchor=v - v % self.anchor_every,
@@ -277,8 +281,10 @@ def load_full(store: ObjectStore, meta: VersionMeta) -> dict[str, torch.Tensor]:
         raise VersionError(f"v{meta.version} is not an anchor")
     with tempfile.TemporaryDirectory(prefix="colonnade-anchor-") as tmp:
         path = Path(tmp) / "full.safetensors"
+        what = f"downloading v{meta.version}'s anchor"
         try:
-            store.get_file(key, path, max_bytes=meta.anchor_bytes)
+            with Transfer(_wlog.info, what, meta.anchor_bytes, partial(folder_bytes, tmp)):
+                store.get_file(key, path, max_bytes=meta.anchor_bytes)
         except ObjectTooLarge:
             raise VersionError(f"{key}: payload is larger than meta.json says") from None
         if not _same(pulse.digest_file, path, meta.anchor_hash):

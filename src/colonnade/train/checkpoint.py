@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from colonnade.background import Background
+from colonnade.progress import Transfer
 from colonnade.protocol import keys
 from colonnade.protocol.schemas import SchemaError, loads
 from colonnade.protocol.signing import Signer, Trust, read_envelope
@@ -145,7 +146,9 @@ class Checkpointer:
 
         def put_all() -> None:
             for f in files:
-                store.put_file(prefix + f.name, f)
+                with Transfer(log.info, f"checkpoint v{version}: uploading {f.name}",
+                              f.stat().st_size):  # fmt: skip
+                    store.put_file(prefix + f.name, f)
                 digest = {"bytes": f.stat().st_size, "hash": digest_file(f, HASH)}
                 store.put(prefix + f.name + HASH_SUFFIX, json.dumps(digest).encode())
             names = json.dumps(sorted(f.name for f in files)).encode()
@@ -235,7 +238,8 @@ def fetch_shards(store: ObjectStore, version: int, state: dict, local: Path) -> 
     """Download a checkpoint's shards into `local`, each checked against state.json."""
     for name, want in state["shards"].items():
         path = local / name
-        store.get_file(keys.checkpoint_dir(version) + name, path, max_bytes=want["bytes"])
+        with Transfer(log.info, f"checkpoint v{version}: downloading {name}", want["bytes"]):
+            store.get_file(keys.checkpoint_dir(version) + name, path, max_bytes=want["bytes"])
         if digest_file(path, HASH) != want["hash"]:
             raise CheckpointError(f"checkpoint v{version}: {name} does not hash as state.json says")
 
