@@ -371,6 +371,23 @@ def test_run_spec_round_trip_and_validation():
         read_run_envelope(json.dumps({**_spec().to_dict(), "protocol": 6}).encode(), None)
 
 
+def test_an_inbox_bucket_is_reached_where_the_run_store_is_unless_told_otherwise(tmp_path):
+    """The trainer records an inbox endpoint only where it differs from the
+    run's: a reader given only the run store's (`colonnade status STORE
+    --endpoint-url`) reaches the inbox bucket there, not at AWS."""
+    from colonnade.protocol.inbox import open_inbox
+    from colonnade.store import S3Store
+
+    run = S3Store("run-bucket", "run1", endpoint_url="http://127.0.0.1:9")
+    spec = _spec(inbox="s3://inbox-bucket/run1")
+    assert open_inbox(run, spec).endpoint_url == "http://127.0.0.1:9"
+    lan = "http://10.0.0.5:9"
+    assert open_inbox(run, spec, endpoint_url=lan).endpoint_url == lan
+    recorded = _spec(inbox="s3://inbox-bucket/run1", inbox_endpoint_url="https://inbox.example")
+    assert open_inbox(run, recorded, endpoint_url=lan).endpoint_url == "https://inbox.example"
+    assert open_inbox(LocalStore(tmp_path), spec).endpoint_url is None  # AWS
+
+
 def test_a_run_json_of_protocol_8_point_0_is_refused():
     # The protocol is an integer, as in a batch (8.0 and true are refused there).
     signer = _signer()

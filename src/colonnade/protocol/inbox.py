@@ -29,12 +29,14 @@ def open_inbox(
     profile: str | None = None,
 ) -> ObjectStore:
     """The run's inbox as this process reaches it: run.json's own store when
-    it names one (its endpoint, else this process's), else the run store's
-    `inbox/` folder."""
+    it names one (its endpoint, else this process's, else the run store's:
+    the trainer records an inbox endpoint only where it differs), else the
+    run store's `inbox/` folder."""
     if not spec.inbox:
         return run_store.sub(keys.INBOX) if profile is None else _reopened(run_store, profile)
-    return open_store(spec.inbox, endpoint_url=spec.inbox_endpoint_url or endpoint_url,
-                      profile=profile)  # fmt: skip
+    own = getattr(run_store, "endpoint_url", None)  # an S3Store's; None for a folder
+    endpoint_url = spec.inbox_endpoint_url or endpoint_url or own
+    return open_store(spec.inbox, endpoint_url=endpoint_url, profile=profile)
 
 
 def _reopened(run_store: ObjectStore, profile: str) -> ObjectStore:
