@@ -73,6 +73,15 @@ BENCHES = {
         "detection rate and batches to detection at the spot rate, the bytes `below` adds a "
         "token, and the spot check's time against the train step's.",
     ),
+    "serve": (
+        "the OpenAI-compatible endpoint against the engine called directly: episodes/s",
+        "The same single-turn chat episodes (searchqa's test prompts) run directly through "
+        "the engine (continuous batching, --clients rows) and through `colonnade serve`'s "
+        "endpoint by --clients concurrent openai clients in a process of their own, each "
+        "episode drawn by the same key on both paths: episodes/s of each side by side "
+        "(direct_episodes_s, endpoint_episodes_s), their ratio, and the share of episodes "
+        "whose tokens are the same on both.",
+    ),
 }
 
 
