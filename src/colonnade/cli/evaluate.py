@@ -258,24 +258,11 @@ def _spec_settings(args: argparse.Namespace, spec):
 def _published(args: argparse.Namespace):
     """(engine, precision, settings) of --model STORE@vN: the version rebuilt
     as a worker rebuilds it, run at the run's published precision."""
-    from colonnade.launch.evaluation import version_engine
-    from colonnade.operate.export import Ref, open_view, store_at
+    from .export import published_engine
 
-    from .export import say, trusted
-    from .main import CliError
-
-    ref = Ref.parse(args.model)
-    fingerprint = trusted(args.trust)
-    store = store_at(ref.url, args.endpoint_url, args.profile)
-    spec = open_view(store, fingerprint).spec
-    if args.precision not in (None, spec.precision):
-        raise CliError(
-            f"{args.model} runs at its run's published precision ({spec.precision}): "
-            "leave out --precision"
-        )
+    runner, spec = published_engine(args)
     own = args.env or args.preset or args.config
     settings = _run_settings(args) if own else _spec_settings(args, spec)
-    runner = version_engine(store, ref.version, args.engine, args.device, fingerprint, say)
     return runner, spec.precision, settings
 
 

@@ -93,3 +93,25 @@ def _export(args: argparse.Namespace) -> int:
     say(f"v{done.version} written ({done.dtype}): {done.path}")
     print(done.path)
     return 0
+
+
+def published_engine(args: argparse.Namespace):
+    """(engine, run spec) of `--model STORE@vN`: the version rebuilt as a
+    worker rebuilds it, run at its run's published precision (`eval`,
+    `serve`); `args` carries trust, endpoint_url, profile, precision,
+    engine and device."""
+    from colonnade.launch.evaluation import version_engine
+    from colonnade.operate.export import Ref, open_view, store_at
+
+    from .main import CliError
+
+    ref = Ref.parse(args.model)
+    fingerprint = trusted(args.trust)
+    store = store_at(ref.url, args.endpoint_url, args.profile)
+    spec = open_view(store, fingerprint).spec
+    if args.precision not in (None, spec.precision):
+        raise CliError(
+            f"{args.model} runs at its run's published precision ({spec.precision}): "
+            "leave out --precision"
+        )
+    return version_engine(store, ref.version, args.engine, args.device, fingerprint, say), spec

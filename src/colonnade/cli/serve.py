@@ -105,22 +105,9 @@ def _engine(args: argparse.Namespace):
 
 def _published(args: argparse.Namespace):
     """A published version, rebuilt as a worker rebuilds it (`launch.evaluation`)."""
-    from colonnade.launch.evaluation import version_engine
-    from colonnade.operate.export import Ref, open_view, store_at
+    from .export import published_engine
 
-    from .export import say, trusted
-    from .main import CliError
-
-    ref = Ref.parse(args.model)
-    fingerprint = trusted(args.trust)
-    store = store_at(ref.url, args.endpoint_url, args.profile)
-    spec = open_view(store, fingerprint).spec
-    if args.precision not in (None, spec.precision):
-        raise CliError(
-            f"{args.model} runs at its run's published precision ({spec.precision}): "
-            "leave out --precision"
-        )
-    return version_engine(store, ref.version, args.engine, args.device, fingerprint, say)
+    return published_engine(args)[0]
 
 
 def _context(engine) -> int | None:

@@ -35,7 +35,8 @@ rows of any model can be cut, copied and joined.
 A new backend passes `tests/engine/test_backends.py` (the same episodes,
 log-probs against teacher forcing, refill and compaction) by adding itself
 to that suite's list. A backend that manages its own cache (a server that
-batches internally) would plug in above this, at `Engine.generate`.
+batches internally) would plug in above this, at `Engine.run` (the episode
+source every caller goes through: `generate`, the OpenAI endpoint).
 """
 
 from __future__ import annotations
