@@ -136,6 +136,7 @@ def _stop(procs: dict[str, tuple[subprocess.Popen, Path]], names) -> None:
             p.wait()
 
 
+@pytest.mark.timeout(600)  # a few minutes on 2 cores; a loaded machine may take longer
 def test_the_readmes_walkthrough_runs_command_by_command(tmp_path, seaweed, monkeypatch):
     steps = readme_steps(README.read_text())
     assert list(steps) == STEPS
