@@ -288,3 +288,14 @@ def test_max_grad_norm_and_scale_by_std_reach_the_step(tiny_dir, tmp_path):
                         max_grad_norm=0.25, scale_by_std=True)  # fmt: skip
     step = Trainer(cfg).step_cfg
     assert step.max_grad_norm == 0.25 and step.scale_by_std
+
+
+def test_worker_keys_without_a_key_are_one_line_and_nothing_written(tmp_path, capsys):
+    empty = tmp_path / "pubkeys"
+    empty.mkdir()
+    store = tmp_path / "s"
+    rc = main(["trainer", "--store", str(store), "--env", "smoke", "--model", "tiny",
+               "--worker-keys", str(empty)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "no public keys" in err[0]
+    assert not (store / "run.json").exists()

@@ -63,7 +63,13 @@ from colonnade.protocol.draws import forged_draws
 from colonnade.protocol.metrics import TrainerRow
 from colonnade.protocol.model_files import model_files
 from colonnade.protocol.polling import moving_gap
-from colonnade.protocol.signing import Signer, load_private, public_hex, write_private
+from colonnade.protocol.signing import (
+    Signer,
+    load_keyring,
+    load_private,
+    public_hex,
+    write_private,
+)
 from colonnade.protocol.turns import SamplingParams, episode_stops, run_sampling
 from colonnade.protocol.weights import VersionError
 from colonnade.pulse.hashing import digest_bytes
@@ -144,6 +150,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, store: ObjectStore | None = None):
         cfg.check()
+        if cfg.worker_keys:
+            # Read before anything is written: a folder without a worker's
+            # .pub (or a bad one) is the user's, refused in one line.
+            load_keyring(Path(cfg.worker_keys))
         self.cfg = cfg
         self.where: Dist = init_distributed(
             cfg.device, cfg.store_outage_seconds + 1800, fsdp=cfg.fsdp
