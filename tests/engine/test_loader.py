@@ -118,3 +118,39 @@ def test_the_backends_are_the_engines_a_batch_may_name():
     from colonnade.choices import ENGINES
 
     assert tuple(loader.BACKENDS) == ENGINES
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision"), [("torch", "int8"), ("torch", "fp32"), ("mlx", "int8")]
+)
+def test_an_engine_built_on_a_skeleton_runs_as_one_built_on_the_model(kind, precision, tiny_dir):
+    # The trainer's spot checks and a worker build their engines from the
+    # model's skeleton (no fp32 weights ever made): the same episodes and
+    # log-probs as from the whole float model.
+    import torch
+
+    from colonnade.engine import SamplingParams, engine_for
+    from colonnade.engine.mlx_backend import mlx_missing
+    from colonnade.model import int8_state, load_model, skeleton
+
+    if kind == "mlx" and mlx_missing() is not None:
+        pytest.skip(mlx_missing())
+    model, tok = load_model(tiny_dir)
+    state = (
+        int8_state(model)
+        if precision == "int8"
+        else {k: v.clone() for k, v in model.state_dict().items()}
+    )
+    skel = skeleton(tiny_dir)
+    assert all(p.is_meta for p in skel.parameters())
+    cpu = torch.device("cpu")
+    whole = engine_for(model, tok, state, precision, cpu, kind)
+    light = engine_for(skel, tok, state, precision, cpu, kind)
+    if kind == "torch":  # every tensor made from the state
+        assert not any(t.is_meta for t in light.backend.model.state_dict().values())
+    prompts = [tok.encode("Question: what is 2 + 2?", add_special_tokens=False)] * 3
+    params = SamplingParams(max_turn_tokens=12, max_episode_tokens=12, ignore_eos=True)
+    a = whole.generate(prompts, [lambda t: None] * 3, params, seed=5)
+    b = light.generate(prompts, [lambda t: None] * 3, params, seed=5)
+    assert [e.tokens for e in a] == [e.tokens for e in b]
+    assert [e.logprobs for e in a] == [e.logprobs for e in b]

@@ -376,12 +376,19 @@ def _copy_into(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, value in tensors.items():
             mod_name, _, attr = name.rpartition(".")
-            target = getattr(model.get_submodule(mod_name) if mod_name else model, attr)
+            owner = model.get_submodule(mod_name) if mod_name else model
+            target = getattr(owner, attr)
             if target.shape != value.shape:
                 raise ValueError(
                     f"{name}: shape {tuple(value.shape)}, model wants {tuple(target.shape)}"
                 )
-            target.copy_(value)
+            if target.is_meta:  # a skeleton (`model.skeleton`): the tensor is made here
+                made = value.detach().to(target.dtype).clone()
+                if attr in owner._parameters:
+                    made = nn.Parameter(made, requires_grad=False)
+                setattr(owner, attr, made)
+            else:
+                target.copy_(value)
 
 
 def split_linears(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -449,9 +456,14 @@ def load_dequantized(
     """The same int8 weights, dequantized into a float model (CUDA, MPS);
     with `changed`, only the tensors a patch rewrote."""
     if changed is None:
-        model.load_state_dict(
-            {name: float_value(qstate, name, aliases) for name in model.state_dict()}
-        )
+        own = model.state_dict()
+        if any(t.is_meta for t in own.values()):  # a skeleton: its tensors made from the state
+            made = {
+                n: float_value(qstate, n, aliases).to(t.dtype, copy=True) for n, t in own.items()
+            }
+            model.load_state_dict(made, assign=True)
+            return model
+        model.load_state_dict({name: float_value(qstate, name, aliases) for name in own})
         return model
     names = [n for n in model.state_dict() if _touched(lookup(qstate, n, aliases), changed)]
     _copy_into(model, {n: float_value(qstate, n, aliases) for n in names})

@@ -363,14 +363,15 @@ def publication_peak(c: Counts, s: Setting) -> Section:
         "(protocol/weights.py Publisher)",
     )
     if s.spot:
-        held = s.max_lag * q + (s.max_lag + 1) * engine_bytes(c) + 4 * c.params
+        held = s.max_lag * q + (s.max_lag + 1) * engine_bytes(c)
         sec.add(
             "spot",
             "spot checks",
             held,
             "bytes",
             "spot checks (spot_rate > 0) hold max_lag older int8 states and up to "
-            "max_lag + 1 CPU engines, each built from an fp32 skeleton (train/spot.py)",
+            "max_lag + 1 CPU engines, each built on a meta skeleton from its int8 state "
+            "(train/spot.py)",
         )
     sec.total("total", "peak", "the sum of the lines above; the codec's working memory aside")
     return sec
@@ -476,10 +477,10 @@ def worker(c: Counts, s: Setting) -> Section:
     sec.add(
         "join",
         "memory, joining",
-        4 * c.params + q,
+        q + engine_bytes(c),
         "bytes",
-        "while the engine is built: the fp32 skeleton made from the run's config, beside "
-        "the int8 state (protocol/model_files.py)",
+        "while the engine is built: as running, the engine built on a meta skeleton of the "
+        "run's config, its tensors made from the int8 state (protocol/model_files.py)",
     )
     return sec
 

@@ -54,7 +54,8 @@ def fetch_files(store: ObjectStore, spec: RunSpec, folder: Path) -> list[str]:
 
 
 def fetch_model(store: ObjectStore, spec: RunSpec):
-    """(float model skeleton, tokenizer) from the run's config and tokenizer files."""
+    """(model skeleton: parameters on the meta device, tokenizer) from the run's
+    config and tokenizer files."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # The files are read into memory here: the folder goes when this returns.
@@ -63,7 +64,12 @@ def fetch_model(store: ObjectStore, spec: RunSpec):
         fetch_files(store, spec, folder)
         config = AutoConfig.from_pretrained(folder)
         tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # A skeleton: the engine makes every tensor from the published state, so
+    # no fp32 copy of the whole model is ever made (`model.skeleton`).
+    from colonnade.model.loading import params_on_meta
+
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.eval(), tok

@@ -306,7 +306,7 @@ class Trainer:
             return None
         sampling = {**spec.sampling, "stop": tuple(spec.sampling.get("stop", ()))}
         return SpotChecker(
-            lambda: load_model(str(self.model_dir), dtype=torch.float32)[0],
+            lambda: skeleton(self.model_dir),  # each version's tensors made from its state
             self.tok,
             self.env,
             SamplingParams(**sampling),
