@@ -43,6 +43,8 @@ CASES = (
     ("fsdp1+bf16+ckpt", "bf16", True, 1, True),
     ("fsdp2x2", "fp32", False, 2, True),
     ("fsdp2x2+meta-init", "fp32", False, 2, True),
+    # "offload" in a name: FSDP2's CPU offload (a CUDA device only)
+    ("fsdp1+bf16+ckpt+offload", "bf16", True, 1, True),
 )
 TARGETS = {"bf16_ckpt_mem_vs_fp32": 0.6, "loss_rel_diff": 1e-3, "meta_init_load_rss": 0.6}
 
@@ -188,7 +190,10 @@ def run_case(spec: dict) -> dict | None:
     meta = "meta-init" in spec["case"]
     lm, pad_id, label, source = _load_lm(spec["model"], spec.get("folder"), meta)
     aliases, vocab = tied_aliases(lm), lm.config.vocab_size
-    policy = build_policy(lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"], source=source)
+    offload = "offload" in spec["case"]
+    policy = build_policy(
+        lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"], source=source, cpu_offload=offload
+    )
     del lm
     load_rss = _peak_rss_mb()  # the peak while loading: before any step
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
@@ -316,6 +321,9 @@ def run(args: argparse.Namespace) -> int:
         for model in models:
             folder = str(shape_folder(model, Path(tmp))) if model in QWEN3 else None
             for name, dtype, ckpt, ranks, fsdp in (c for c in CASES if c[0] in wanted):
+                if "offload" in name and args.device != "cuda":
+                    log(f"{model} {name}: skipped (CPU offload needs a CUDA device)")
+                    continue
                 if ranks > 1 and args.device == "cuda" and _gpus() < ranks:
                     log(f"{model} {name}: skipped ({_gpus()} GPU visible)")
                     continue

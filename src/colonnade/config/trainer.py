@@ -68,6 +68,12 @@ class TrainerConfig:
         "FSDP2 on a single process too: bf16 copies of one layer at a time instead of the "
         "whole model (always on under torchrun with 2+ ranks)",
     )
+    cpu_offload: bool = setting(
+        False,
+        "FSDP2's CPU offload: parameters, gradients and optimizer states in host memory, "
+        "moved to the GPU a layer at a time (CUDA only; implies fsdp): full fine-tuning of a "
+        "model whose states do not fit the GPU",
+    )
     max_versions: int = setting(20, "stop once this version is published")
     max_lag: int = setting(2, "oldest usable rollout: v - max_lag (0: synchronous on-policy)")
     anchor_every: int = setting(10, "versions between full anchors (K)")

@@ -140,13 +140,18 @@ def build_policy(
     grad_ckpt: bool,
     chunk_tokens: int = 4096,
     source: str | Path | None = None,
+    cpu_offload: bool = False,
 ) -> Policy:
     """The trainable Policy over `lm` (fp32, on the CPU): on `where.device`,
     sharded with FSDP2 when `where` has several ranks.
 
     `source`: `lm` is a skeleton (`model.skeleton`: parameters on the meta
     device) whose weights are in this model folder: it is sharded first,
-    and each rank then reads only the rows it owns (`train/loading.py`)."""
+    and each rank then reads only the rows it owns (`train/loading.py`).
+    `cpu_offload`: FSDP2's CPUOffloadPolicy (parameters, gradients and the
+    optimizer's states in host memory; a CUDA device under FSDP2 only)."""
+    if cpu_offload and (not where.sharded or where.device.type != "cuda"):
+        raise ValueError("cpu_offload needs a CUDA device under FSDP2 (--fsdp or 2+ ranks)")
     if grad_ckpt:
         if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
             lm.activation_checkpointing_enable({"use_reentrant": False})
@@ -165,9 +170,14 @@ def build_policy(
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
     )
+    kw = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kw["offload_policy"] = CPUOffloadPolicy()
     for layer in list(_decoder_layers(lm)):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, **kw)
+    fully_shard(policy, **kw)
     if source is not None:
         _fill(policy, where, source)
     return policy

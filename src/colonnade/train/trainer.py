@@ -156,7 +156,7 @@ class Trainer:
             load_keyring(Path(cfg.worker_keys))
         self.cfg = cfg
         self.where: Dist = init_distributed(
-            cfg.device, cfg.store_outage_seconds + 1800, fsdp=cfg.fsdp
+            cfg.device, cfg.store_outage_seconds + 1800, fsdp=cfg.fsdp or cfg.cpu_offload
         )
         self.instance = uuid.uuid4().hex[:8]
         self.env = load_environment(cfg.env, **cfg.env_kwargs)
@@ -182,7 +182,13 @@ class Trainer:
         self.dtype = compute_dtype(cfg.dtype, self.where.device)
         grad_ckpt = cfg.grad_ckpt if cfg.grad_ckpt is not None else self.where.device.type == "cuda"
         self.policy = build_policy(
-            lm, self.where, self.dtype == "bf16", grad_ckpt, cfg.logit_chunk_tokens, source
+            lm,
+            self.where,
+            self.dtype == "bf16",
+            grad_ckpt,
+            cfg.logit_chunk_tokens,
+            source,
+            cpu_offload=cfg.cpu_offload,
         )
         self.opt = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
