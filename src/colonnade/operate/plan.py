@@ -344,14 +344,15 @@ def publication_peak(c: Counts, s: Setting) -> Section:
     """Rank 0's host memory while a version is published beside the next snapshot."""
     sec = Section("publication peak, rank 0 host memory")
     q = int8_bytes(c)
-    snap = 2 * c.params + (4 * c.params if s.sharded else 0)
+    snap = 2 * c.params + (4 * c.root if s.sharded else 0)
     sec.add(
         "snapshot",
         "snapshot of the next version",
         snap,
         "bytes",
-        "full_state: the bf16 copy of the weights on the CPU; under FSDP2 rank 0 first "
-        "gathers the fp32 masters there (train/policy.py)",
+        "full_state: the bf16 copy of the weights on the CPU; under FSDP2 each tensor is "
+        "gathered in fp32 one at a time, at most the root unit's (the embedding) in flight "
+        "(train/policy.py)",
     )
     sec.add(
         "publishing",

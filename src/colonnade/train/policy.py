@@ -200,18 +200,17 @@ def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str
     """The publishable state on the CPU, a copy the next step cannot touch:
     the master weights rounded to bf16 (what every precision publishes from),
     tied copies left out. Collective under FSDP; empty on ranks other than 0."""
-    if where.sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(policy, options=opts)
-    else:
-        state = policy.state_dict()
     out = {}
-    for name, t in state.items():
+    for name, t in policy.state_dict().items():
         name = name.removeprefix(PREFIX)
         if name in aliases:
             continue
-        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
-        out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
+        # Under FSDP2 each tensor is gathered whole, one at a time, and only
+        # its bf16 copy kept (rank 0): the fp32 model is never whole on a rank.
+        # Every rank walks the same names in the same order (the gathers pair).
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if where.leader:
+            dtype = torch.bfloat16 if whole.is_floating_point() else whole.dtype
+            out[name] = whole.detach().to(device="cpu", dtype=dtype, copy=True)
+        del whole
     return out
