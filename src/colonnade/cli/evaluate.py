@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .export import published_flags
+
     e = sub.add_parser(
         "eval",
         help="pass@1 (pass@k) and the environment's metrics of a model on an environment split",
@@ -74,13 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    published = e.add_argument_group("a published version (--model STORE@vN)")
-    published.add_argument(
-        "--trust",
-        help="the trainer's key: its .pub/.key file or fingerprint (default: run.json's own)",
-    )
-    published.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
-    published.add_argument("--profile", help="credentials profile for the store (s3://)")
+    published_flags(e)
     e.set_defaults(handler=_eval)
     w = sub.add_parser(
         "warmstart",

@@ -115,3 +115,14 @@ def published_engine(args: argparse.Namespace):
             "leave out --precision"
         )
     return version_engine(store, ref.version, args.engine, args.device, fingerprint, say), spec
+
+
+def published_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that reach a published version's store (`--model STORE@vN`)."""
+    published = p.add_argument_group("a published version (--model STORE@vN)")
+    published.add_argument(
+        "--trust",
+        help="the trainer's key: its .pub/.key file or fingerprint (default: run.json's own)",
+    )
+    published.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
+    published.add_argument("--profile", help="credentials profile for the store (s3://)")

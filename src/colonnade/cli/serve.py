@@ -23,6 +23,8 @@ DESCRIPTION = (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .export import published_flags
+
     p = sub.add_parser(
         "serve",
         usage="colonnade serve --model DIR|PRESET|STORE@vN [--port N] [--engine torch|mlx]",
@@ -64,13 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds a request may wait (600)"
     )
-    published = p.add_argument_group("a published version (--model STORE@vN)")
-    published.add_argument(
-        "--trust",
-        help="the trainer's key: its .pub/.key file or fingerprint (default: run.json's own)",
-    )
-    published.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
-    published.add_argument("--profile", help="credentials profile for the store (s3://)")
+    published_flags(p)
     p.set_defaults(handler=_serve)
 
 
