@@ -172,9 +172,26 @@ def test_episodes_in_a_batch_match_episodes_run_alone(case):
     together = engine.generate(prompts, [_replies(k + 1) for k in range(4)], params)
     alone = [engine.generate([p], [_replies(k + 1)], params)[0] for k, p in enumerate(prompts)]
     assert len({len(e.tokens) for e in together}) > 1
-    for a, b in zip(together, alone, strict=True):
-        assert a.tokens == b.tokens and a.from_model == b.from_model
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < case.tol
+    for p, a, b in zip(prompts, together, alone, strict=True):
+        # The same tokens up to the first the two runs chose differently, if
+        # any; there greedy met a near-tie: int8 kernels round by how many rows
+        # share a step, so the two candidates must stand within that rounding
+        # under teacher forcing (a layout bug moves log-probs far more).
+        pairs = zip(a.tokens, b.tokens, strict=False)
+        n = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+        same = min(len(a.tokens), len(b.tokens)) if n is None else n
+        assert a.from_model[:same] == b.from_model[:same]
+        both = zip(a.logprobs[:same], b.logprobs[:same], strict=True)
+        gap = max((abs(x - y) for x, y in both), default=0.0)
+        assert gap < case.tol
+        if n is None:
+            assert a.tokens == b.tokens
+            continue
+        assert a.from_model[n] and b.from_model[n]  # only sampled tokens can part
+        head = [*p, *a.tokens[:n]]
+        lp_a = float(case.teacher([*head, a.tokens[n]], len(head))[0])
+        lp_b = float(case.teacher([*head, b.tokens[n]], len(head))[0])
+        assert abs(lp_a - lp_b) < case.tol, (n, lp_a, lp_b)
 
 
 def test_same_seed_same_episodes(case):
