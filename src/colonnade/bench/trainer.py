@@ -149,7 +149,7 @@ def _load_lm(name: str, folder: str | None = None, meta: bool = False):
     import importlib.util
 
     from colonnade.envs import load_environment
-    from colonnade.model import load_model, resolve_model, skeleton
+    from colonnade.model import load_model, load_tokenizer, resolve_model, skeleton
 
     if folder is not None:
         from transformers import AutoModelForCausalLM
@@ -165,7 +165,7 @@ def _load_lm(name: str, folder: str | None = None, meta: bool = False):
         return LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)), 0, "smollm2-135m-shape", None
     path = resolve_model(name, load_environment("searchqa").tokenizer_texts())
     if meta:
-        return skeleton(path), load_model(path)[1].pad_token_id, name, path
+        return skeleton(path), load_tokenizer(path).pad_token_id, name, path
     lm, tok = load_model(path)
     return lm, tok.pad_token_id, name, None
 

@@ -134,13 +134,13 @@ def world(opts: Options, model_dir: str | None = None) -> World:
     """The preset run's settings, environment and model (`model_dir`: another
     model than the run's, of a tokenizer that covers the environment)."""
     from colonnade.envs import load_environment
-    from colonnade.model import load_model
+    from colonnade.model import load_tokenizer
     from colonnade.protocol.turns import episode_stops, run_sampling
 
     cfg = preset_config(opts)
     env = load_environment(cfg.env)
     model_dir = model_dir or preset_model(opts, env)
-    _, tok = load_model(model_dir)
+    tok = load_tokenizer(model_dir)
     params = run_sampling(cfg)
     params = replace(params, stop=episode_stops(params.stop, env))
     tasks = list(env.tasks("train"))
@@ -502,12 +502,12 @@ def engine_at(w: World, state, version: int, kind: str = "torch"):
 
 def spot_checker(w: World, rate: float):
     """The trainer's `SpotChecker` for this run, at `rate`."""
-    from colonnade.model import load_model
+    from colonnade.model import skeleton
     from colonnade.train.spot import SpotChecker, Tolerance
 
     c = w.cfg
     return SpotChecker(
-        lambda: load_model(w.model_dir, dtype=torch.float32)[0],
+        lambda: skeleton(w.model_dir),  # as the trainer builds its checks' engines
         w.tok,
         w.env,
         w.params,

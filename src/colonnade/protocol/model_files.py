@@ -14,8 +14,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import torch
-
 from colonnade.pulse.hashing import algo_of, digest_bytes
 from colonnade.store import ObjectStore
 
@@ -56,20 +54,11 @@ def fetch_files(store: ObjectStore, spec: RunSpec, folder: Path) -> list[str]:
 def fetch_model(store: ObjectStore, spec: RunSpec):
     """(model skeleton: parameters on the meta device, tokenizer) from the run's
     config and tokenizer files."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from colonnade.model.loading import load_tokenizer, skeleton
 
     # The files are read into memory here: the folder goes when this returns.
-    with tempfile.TemporaryDirectory(prefix=f"colonnade-{spec.run_id}-") as tmp:
-        folder = Path(tmp)
-        fetch_files(store, spec, folder)
-        config = AutoConfig.from_pretrained(folder)
-        tok = AutoTokenizer.from_pretrained(folder)
     # A skeleton: the engine makes every tensor from the published state, so
-    # no fp32 copy of the whole model is ever made (`model.skeleton`).
-    from colonnade.model.loading import params_on_meta
-
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model.eval(), tok
+    # no fp32 copy of the whole model is ever made.
+    with tempfile.TemporaryDirectory(prefix=f"colonnade-{spec.run_id}-") as tmp:
+        fetch_files(store, spec, Path(tmp))
+        return skeleton(tmp), load_tokenizer(tmp)

@@ -108,24 +108,18 @@ def restore_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> None
             own[name].copy_(value)
 
 
-def tied_groups(module: nn.Module) -> list[list[str]]:
-    """Names of each parameter that several modules share (tied embeddings)."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def retie(module: nn.Module, groups: list[list[str]]) -> None:
-    """Make each group's parameters one again (`to_empty` gives every module
-    its own copy of a shared parameter)."""
-    for first, *others in groups:
+def retie(module: nn.Module, aliases: dict[str, str]) -> None:
+    """Make tied parameters one again (`aliases`: `model.tied_aliases`, taken
+    before `to_empty`, which gives every module its own copy of a shared one)."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    for name, first in aliases.items():
+        if name not in params:
+            continue  # a buffer sharing storage: to_empty's copy is restored as a buffer
         shared = module.get_parameter(first)
-        for name in others:
-            owner, _, attr = name.rpartition(".")
-            holder = module.get_submodule(owner) if owner else module
-            if getattr(holder, attr) is not shared:
-                setattr(holder, attr, shared)
+        owner, _, attr = name.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        if getattr(holder, attr) is not shared:
+            setattr(holder, attr, shared)
 
 
 def load_owned(module: nn.Module, model_dir: str | Path, prefix: str = "") -> int:

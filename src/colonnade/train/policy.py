@@ -186,12 +186,14 @@ def build_policy(
 def _fill(policy: Policy, where: Dist, source: str | Path) -> None:
     """Allocate a skeleton's (sharded) parameters on the rank's device and
     read this rank's rows of each from `source`."""
-    from .loading import load_owned, restore_buffers, retie, tied_groups
+    from colonnade.model import tied_aliases
+
+    from .loading import load_owned, restore_buffers, retie
 
     buffers = {n: b.detach().clone() for n, b in policy.named_buffers()}
-    groups = tied_groups(policy)
+    aliases = tied_aliases(policy)
     policy.to_empty(device=where.device)
-    retie(policy, groups)
+    retie(policy, aliases)
     restore_buffers(policy, buffers)
     load_owned(policy, source, prefix=PREFIX)
 
