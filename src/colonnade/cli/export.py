@@ -117,12 +117,18 @@ def published_engine(args: argparse.Namespace):
     return version_engine(store, ref.version, args.engine, args.device, fingerprint, say), spec
 
 
-def published_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that reach a published version's store (`--model STORE@vN`)."""
-    published = p.add_argument_group("a published version (--model STORE@vN)")
-    published.add_argument(
+def store_flags(p) -> None:
+    """The flags that reach a run's store and pin its trainer: --trust,
+    --endpoint-url, --profile (`p`: a parser or an argument group)."""
+    p.add_argument(
         "--trust",
+        metavar="KEY",
         help="the trainer's key: its .pub/.key file or fingerprint (default: run.json's own)",
     )
-    published.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
-    published.add_argument("--profile", help="credentials profile for the store (s3://)")
+    p.add_argument("--endpoint-url", help="S3 endpoint (R2, MinIO, SeaweedFS)")
+    p.add_argument("--profile", help="credentials profile for the store (s3://)")
+
+
+def published_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that reach a published version's store (`--model STORE@vN`)."""
+    store_flags(p.add_argument_group("a published version (--model STORE@vN)"))

@@ -12,6 +12,8 @@ INTERVAL_SECONDS = 15.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .export import store_flags
+
     p = sub.add_parser(
         "exporter",
         help="serve a run's trainer and worker figures to Prometheus, read from its store",
@@ -39,14 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"seconds between reads of the store (default {INTERVAL_SECONDS:g})",
     )
-    p.add_argument("--endpoint-url", help="S3 endpoint")
-    p.add_argument("--profile", help="credentials profile for the store (s3://)")
-    p.add_argument(
-        "--trust",
-        metavar="KEY",
-        help="the trainer's key (.pub/.key file or fingerprint) run.json must be signed with "
-        "(default: the key that signed it)",
-    )
+    store_flags(p)
     p.set_defaults(handler=_exporter)
 
 

@@ -11,6 +11,8 @@ WATCH_SECONDS = 5.0  # --watch without a value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .export import store_flags
+
     p = sub.add_parser(
         "status",
         help="a run at a glance: version, rate, each worker's state, flags",
@@ -34,13 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"show it again every SECONDS (default {WATCH_SECONDS:g}) until Ctrl-C",
     )
-    p.add_argument("--endpoint-url", help="S3 endpoint")
-    p.add_argument(
-        "--trust",
-        metavar="KEY",
-        help="the trainer's key (.pub/.key file or fingerprint) run.json must be signed with "
-        "(default: the key that signed it)",
-    )
+    store_flags(p)
     p.add_argument(
         "--stalled-after",
         type=float,
@@ -57,7 +53,7 @@ def _status(args: argparse.Namespace) -> int:
     for flag, value in (("--watch", args.watch), ("--stalled-after", args.stalled_after)):
         if value is not None and not value > 0:
             raise CliError(f"{flag} {value:g}: seconds > 0")
-    store, trusted = _open(args.store, args.endpoint_url, args.trust)
+    store, trusted = _open(args.store, args.endpoint_url, args.profile, args.trust)
     show = _show(_read(store, trusted, args), args.json)
     if args.watch is None:
         return show
@@ -76,7 +72,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
 
 
-def _open(url: str, endpoint_url: str | None, trust: str | None):
+def _open(url: str, endpoint_url: str | None, profile: str | None, trust: str | None):
     """(the store, the trusted fingerprint or None); CliError for bad input.
     A run directory stands for its store; a local path must exist (opening
     one would create it): `operate.export.store_at`."""
@@ -87,7 +83,7 @@ def _open(url: str, endpoint_url: str | None, trust: str | None):
 
     fingerprint = trusted(trust)
     try:
-        return store_at(url, endpoint_url), fingerprint
+        return store_at(url, endpoint_url, profile), fingerprint
     except (ExportError, ValueError) as e:
         raise CliError(str(e)) from None
 
