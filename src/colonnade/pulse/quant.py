@@ -14,6 +14,14 @@ import torch
 SCALE_SUFFIX = "::scale"
 QMAX = 127
 SCALE_BITS = 16  # significant bits kept in a row scale
+# LoRA adapters (`model/lora.py`) stay bf16: they are small, and per-row int8
+# steps on a low-rank update would be most of the update.
+ADAPTER_MARKS = (".lora_A.", ".lora_B.")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the state tensor `name` is a LoRA adapter's (never int8)."""
+    return any(m in name for m in ADAPTER_MARKS)
 
 
 def round_scale_up(scale: torch.Tensor) -> torch.Tensor:
@@ -53,18 +61,18 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scale.to(torch.float32)[:, None]
 
 
-def published_value(t: torch.Tensor, precision: str) -> torch.Tensor:
+def published_value(t: torch.Tensor, precision: str, adapter: bool = False) -> torch.Tensor:
     """What a worker computes with for `t` at `precision` (codec.prepare's
     rounding, dequantized), in t's dtype and on its device: "exact" as it is,
     "bf16" rounded to bf16, "int8" a 2-D weight's bf16 codes × row scales
-    (other tensors bf16). For a trainer that runs its forward on what the
+    (other tensors, and a LoRA `adapter`'s, bf16). For a trainer that runs its forward on what the
     workers run (`train.policy.weights_as_published`)."""
     if precision == "exact" or not t.is_floating_point():
         return t
     if precision not in ("bf16", "int8"):
         raise ValueError(f"precision must be exact, bf16 or int8, not {precision!r}")
     bf = t.to(torch.bfloat16)
-    if precision == "int8" and is_quantizable(t):
+    if precision == "int8" and is_quantizable(t) and not adapter:
         return dequantize_rows(*quantize_rows(bf)).to(device=t.device, dtype=t.dtype)
     return bf.to(t.dtype)
 
@@ -77,7 +85,7 @@ def quantize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """int8 view of a model state: 2-D float weights become codes + scales.
 
     `name` holds the int8 codes and `name + "::scale"` the float32 row scales;
-    every other tensor (norms, biases) stays as it is.
+    every other tensor (norms, biases, LoRA adapters) stays as it is.
     Idempotent: an already-quantized state comes back as it is.
     """
     out: dict[str, torch.Tensor] = {}
@@ -87,7 +95,7 @@ def quantize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             if codes is None or codes.dtype != torch.int8:
                 raise ValueError(f"tensor name {name!r} collides with the int8 scale suffix")
             out[name] = t
-        elif is_quantizable(t):
+        elif is_quantizable(t) and not is_adapter(name):
             out[name], out[name + SCALE_SUFFIX] = quantize_rows(t)
         else:
             out[name] = t
