@@ -23,3 +23,6 @@ ENGINE_CHOICES = ("auto", *ENGINES)
 # State and payload hash algorithms; pulse.hashing.ALGOS names the same ones
 # (a test keeps them equal: importing pulse here would cost torch).
 HASHES = ("blake3", "sha256")
+# The projections a LoRA adapts by default: attention's four and the gated
+# MLP's three (PEFT's "all-linear" without the head).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

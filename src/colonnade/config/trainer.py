@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from colonnade.choices import HASHES, PUBLISHED_PRECISIONS
+from colonnade.choices import HASHES, LORA_TARGETS, PUBLISHED_PRECISIONS
 
 from .loading import setting
 from .names import check_env, check_model
@@ -73,6 +73,15 @@ class TrainerConfig:
         "FSDP2's CPU offload: parameters, gradients and optimizer states in host memory, "
         "moved to the GPU a layer at a time (CUDA only; implies fsdp): full fine-tuning of a "
         "model whose states do not fit the GPU",
+    )
+    lora_rank: int = setting(
+        0,
+        "LoRA: train rank-R adapters on a frozen base instead of every weight (0: full "
+        "fine-tuning); the base is published once, each version's patch carries the adapters",
+    )
+    lora_alpha: float = setting(0.0, "LoRA: the adapters' alpha (scale alpha/rank; 0: 2 x rank)")
+    lora_targets: str = setting(
+        ",".join(LORA_TARGETS), "LoRA: the linears adapted (last name parts, comma-separated)"
     )
     max_versions: int = setting(20, "stop once this version is published")
     max_lag: int = setting(2, "oldest usable rollout: v - max_lag (0: synchronous on-policy)")
@@ -179,6 +188,15 @@ class TrainerConfig:
     )
     seed: int = setting(0, "seed of task choice and initialisation")
 
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def lora_scale_alpha(self) -> float:
+        """The alpha in effect (0 means twice the rank)."""
+        return self.lora_alpha or 2.0 * self.lora_rank
+
     def check(self) -> None:
         """Settings no step can run with: a ValueError naming them."""
         check_env(self.env)
@@ -200,6 +218,9 @@ def _ranges(c: TrainerConfig) -> list[tuple[str, bool]]:
     """(setting and its allowed range, whether it holds): checked when the
     config is built, so a bad value fails at once and not later in a worker."""
     return [
+        ("lora_rank >= 0", c.lora_rank >= 0),
+        ("lora_alpha >= 0", c.lora_alpha >= 0),
+        ("lora_targets names at least one module", bool(c.lora_target_names)),
         ("max_versions >= 1", c.max_versions >= 1),
         ("max_lag >= 0", c.max_lag >= 0),
         ("anchor_every >= 1", c.anchor_every >= 1),

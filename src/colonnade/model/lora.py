@@ -23,11 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from colonnade.choices import LORA_TARGETS
 from colonnade.pulse.quant import ADAPTER_MARKS, is_adapter
 
-# The projections a LoRA adapts by default: attention's four and the gated
-# MLP's three (PEFT's "all-linear" without the head).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGETS
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
 __all__ = ["ADAPTER_MARKS", "TARGETS", "LoraSpec", "is_adapter"]
@@ -67,7 +66,7 @@ def targets_in(model: nn.Module, targets: Iterable[str]) -> list[str]:
     ]
 
 
-def attach(model: nn.Module, spec: LoraSpec) -> list[str]:
+def attach(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Freeze every parameter of `model` and give each target linear its
     adapters (A like PEFT's default init, B zero: the model's output is
     unchanged until a step moves B); the adapted modules' names. On a
@@ -89,7 +88,7 @@ def attach(model: nn.Module, spec: LoraSpec) -> list[str]:
         m.lora_scale = spec.scale
         m.register_forward_hook(_hook)
     if not any(p.is_meta for p in model.parameters()):
-        init_adapters(model, seed=0)
+        init_adapters(model, seed)
     return names
 
 
@@ -114,7 +113,10 @@ def init_adapters(model: nn.Module, seed: int) -> None:
                 elif hasattr(w, "device_mesh"):  # a DTensor: this rank's rows
                     from torch.distributed.tensor import distribute_tensor
 
-                    full = distribute_tensor(made.to(w.dtype), w.device_mesh, w.placements)
+                    # Every rank made the same tensor: no scatter needed.
+                    full = distribute_tensor(
+                        made.to(w.dtype), w.device_mesh, w.placements, src_data_rank=None
+                    )
                     w.to_local().copy_(full.to_local())
                 else:
                     w.copy_(made)

@@ -27,12 +27,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from colonnade.choices import LORA_TARGETS
 from colonnade.config import TrainerConfig
 from colonnade.config.presets import TRAINER_PRESETS
 from colonnade.pulse.quant import is_quantizable
 
-# The usual projections a LoRA adapts: attention's four and the gated MLP's three.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A laptop's or a base Apple M-series chip's memory bandwidth (their
 # published specifications): what a worker on such a machine streams its
 # weights at, at best.

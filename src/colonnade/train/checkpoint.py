@@ -12,7 +12,8 @@ slices' offsets in the file's JSON header. No pickle anywhere (DCP's
 default format pickles its metadata), so a checkpoint is data, never code.
 
 What is saved: the fp32 master weights and AdamW's moments and step
-counts. Not the learning rate, which the trainer sets every step from the
+counts; of a LoRA run, the adapters and their moments alone (the frozen
+base is the model's own files). Not the learning rate, which the trainer sets every step from the
 version. Loading reads whatever slices each rank needs from every shard, so
 a run resumes on any number of ranks: DCP reshards (tested 2 ranks → 1).
 
@@ -77,10 +78,12 @@ def init_adam_state(opt: torch.optim.Optimizer) -> None:
 
 def _state_dicts(policy, opt, aliases: dict[str, str]) -> tuple[dict, list]:
     """({"model": …, "optim": …} of DCP-shardable tensors, AdamW's param groups)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     init_adam_state(opt)
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    # Frozen parameters (a LoRA run's base) come from the model's own files.
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(policy, opt, options=options)
     # A tied head is one parameter under two names: saved once.
     model_sd = {k: v for k, v in model_sd.items() if k.removeprefix(PREFIX) not in aliases}
     return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd["param_groups"]

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from colonnade.pulse.quant import is_adapter
+
 # safetensors dtype names -> torch dtypes (the ones a model's weights use)
 _DTYPES = {
     "F64": torch.float64,
@@ -125,7 +127,8 @@ def retie(module: nn.Module, aliases: dict[str, str]) -> None:
 def load_owned(module: nn.Module, model_dir: str | Path, prefix: str = "") -> int:
     """Fill `module`'s (sharded) parameters from `model_dir`'s safetensors,
     each rank reading only its own rows; `prefix`: the checkpoint's names
-    sit under it in `module`. The bytes this rank read."""
+    sit under it in `module`. LoRA adapters are left as they are (the
+    trainer initialises them). The bytes this rank read."""
     params = dict(module.named_parameters())  # a tied parameter once, under one name
     by_tensor = {id(p): name for name, p in params.items()}
     # every name a parameter answers to (tied ones have several)
@@ -156,7 +159,8 @@ def load_owned(module: nn.Module, model_dir: str | Path, prefix: str = "") -> in
                 with torch.no_grad():
                     read += read_rows(f, info, start, rows, local)
                 filled.add(name)
-    missing = sorted(set(params) - filled)
+    # LoRA adapters are not in a model's files: the trainer makes them.
+    missing = sorted(n for n in set(params) - filled if not is_adapter(n))
     if missing:
         shown = ", ".join(n.removeprefix(prefix) for n in missing[:5])
         raise ValueError(f"{model_dir}: no weights for {len(missing)} parameter(s): {shown}")

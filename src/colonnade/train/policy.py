@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from colonnade.model import lora
 from colonnade.model.logprobs import gather_logprobs
 from colonnade.pulse.quant import published_value
 
@@ -55,11 +56,18 @@ def weights_as_published(module: nn.Module, precision: str):
     """
     saved = []
     if precision != "exact":
+        scale = lora.scale_of(module)
         with torch.no_grad():
-            for p in module.parameters():  # a tied weight comes once
+            for name, p in module.named_parameters():  # a tied weight comes once
                 local = p.to_local() if hasattr(p, "to_local") else p.data
                 saved.append((local, local.clone()))
-                local.copy_(published_value(local, precision))
+                if name.endswith(lora.B_SUFFIX):
+                    # Published as scale · B rounded (`full_state`): B here is
+                    # that value over the scale, so scale · B is exactly it.
+                    folded = published_value(local * scale, precision, adapter=True)
+                    local.copy_(folded / scale)
+                else:
+                    local.copy_(published_value(local, precision, lora.is_adapter(name)))
     try:
         yield
     finally:
@@ -141,6 +149,8 @@ def build_policy(
     chunk_tokens: int = 4096,
     source: str | Path | None = None,
     cpu_offload: bool = False,
+    adapters: lora.LoraSpec | None = None,
+    seed: int = 0,
 ) -> Policy:
     """The trainable Policy over `lm` (fp32, on the CPU): on `where.device`,
     sharded with FSDP2 when `where` has several ranks.
@@ -149,7 +159,9 @@ def build_policy(
     device) whose weights are in this model folder: it is sharded first,
     and each rank then reads only the rows it owns (`train/loading.py`).
     `cpu_offload`: FSDP2's CPUOffloadPolicy (parameters, gradients and the
-    optimizer's states in host memory; a CUDA device under FSDP2 only)."""
+    optimizer's states in host memory; a CUDA device under FSDP2 only).
+    `adapters`: LoRA on a frozen base (`model/lora.py`), the adapters made
+    from `seed`, the same on every rank; only they require gradients."""
     if cpu_offload and (not where.sharded or where.device.type != "cuda"):
         raise ValueError("cpu_offload needs a CUDA device under FSDP2 (--fsdp or 2+ ranks)")
     if grad_ckpt:
@@ -158,10 +170,12 @@ def build_policy(
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
+    if adapters is not None:
+        lora.attach(lm, adapters, seed)
     policy = Policy(lm, chunk_tokens, autocast_bf16=bf16 and not where.sharded)
     if not where.sharded:
         if source is not None:
-            _fill(policy, where, source)
+            _fill(policy, where, source, seed)
         return policy.to(where.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -179,13 +193,14 @@ def build_policy(
         fully_shard(layer, **kw)
     fully_shard(policy, **kw)
     if source is not None:
-        _fill(policy, where, source)
+        _fill(policy, where, source, seed)
     return policy
 
 
-def _fill(policy: Policy, where: Dist, source: str | Path) -> None:
+def _fill(policy: Policy, where: Dist, source: str | Path, seed: int) -> None:
     """Allocate a skeleton's (sharded) parameters on the rank's device and
-    read this rank's rows of each from `source`."""
+    read this rank's rows of each from `source`; LoRA adapters made from
+    `seed`."""
     from colonnade.model import tied_aliases
 
     from .loading import load_owned, restore_buffers, retie
@@ -196,13 +211,16 @@ def _fill(policy: Policy, where: Dist, source: str | Path) -> None:
     retie(policy, aliases)
     restore_buffers(policy, buffers)
     load_owned(policy, source, prefix=PREFIX)
+    lora.init_adapters(policy, seed)
 
 
 def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
     """The publishable state on the CPU, a copy the next step cannot touch:
     the master weights rounded to bf16 (what every precision publishes from),
-    tied copies left out. Collective under FSDP; empty on ranks other than 0."""
+    tied copies left out, LoRA's B with its scale folded in. Collective under
+    FSDP; empty on ranks other than 0."""
     out = {}
+    scale = lora.scale_of(policy)
     for name, t in policy.state_dict().items():
         name = name.removeprefix(PREFIX)
         if name in aliases:
@@ -211,6 +229,8 @@ def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str
         # its bf16 copy kept (rank 0): the fp32 model is never whole on a rank.
         # Every rank walks the same names in the same order (the gathers pair).
         whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if name.endswith(lora.B_SUFFIX):
+            whole = whole * scale  # published folded (`model/lora.py`)
         if where.leader:
             dtype = torch.bfloat16 if whole.is_floating_point() else whole.dtype
             out[name] = whole.detach().to(device="cpu", dtype=dtype, copy=True)

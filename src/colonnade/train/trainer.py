@@ -53,6 +53,7 @@ from colonnade.model import (
     load_model,
     load_tokenizer,
     local_model_dir,
+    lora,
     resolve_model,
     skeleton,
     tied_aliases,
@@ -145,6 +146,13 @@ def compute_dtype(dtype: str, device: torch.device) -> str:
     return dtype
 
 
+def lora_spec(cfg: TrainerConfig) -> lora.LoraSpec | None:
+    """The run's LoRA adapters, None for full fine-tuning."""
+    if not cfg.lora_rank:
+        return None
+    return lora.LoraSpec(cfg.lora_rank, cfg.lora_scale_alpha, cfg.lora_target_names)
+
+
 class Trainer:
     """The loop's state: policy, optimizer, and on rank 0 its `Lead`."""
 
@@ -189,10 +197,11 @@ class Trainer:
             cfg.logit_chunk_tokens,
             source,
             cpu_offload=cfg.cpu_offload,
+            adapters=lora_spec(cfg),
+            seed=cfg.seed,
         )
-        self.opt = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        trained = [p for p in self.policy.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.checkpoints = Checkpointer(
             self.store,
             self.policy,
