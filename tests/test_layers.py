@@ -6,9 +6,10 @@ itself):
 1. foundations: `choices` (the named choices several layers check) and
    `untrusted` (bounds and checks of input from strangers), which import
    nothing of colonnade and which every package may use; `background`,
-   `config`, `progress`, `store`, `envs` (none imports another colonnade
-   package but those two), then `pulse` (the weight codec) and `model` (the
-   networks, over pulse's codes);
+   `config`, `progress`, `store`, `tools` (an environment's tool served
+   over HTTP, its replies signed) (none imports another colonnade package
+   but those two), `envs` (which may also call a tool service), then `pulse`
+   (the weight codec) and `model` (the networks, over pulse's codes);
 2. `protocol`: everything the trainer and the workers share: keys, typed
    documents, the rollout batch, weight versions, the model files, the
    episode contract (`protocol/turns.py`). It imports no role's `config`:
@@ -16,9 +17,11 @@ itself):
 3. `telemetry`: metric rows written and read, over protocol; `engine`: the
    rollout engine (episodes over a pluggable backend), over protocol's
    episode contract;
-4. the two sides, which never import each other: `rollout` (the worker)
-   and `train` (the trainer); beside them `serve`, the engine behind an
-   OpenAI-compatible endpoint, which imports neither;
+4. `serve`, the engine behind an OpenAI-compatible endpoint; then the two
+   sides, which never import each other and which serve imports neither of:
+   `rollout` (the worker, which runs an environment that calls a model over
+   that API against an endpoint in its own process) and `train` (the
+   trainer);
 5. `report`: reads a run's store through protocol and telemetry, whichever
    side wrote it; it imports neither side;
 6. `operate` works on a run from the outside (its status, from the store
@@ -41,7 +44,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "colonnade"
 
 BASE = {"choices", "untrusted"}  # import nothing; every package may import them
-FOUNDATIONS = BASE | {"background", "config", "progress", "store", "envs"}
+FOUNDATIONS = BASE | {"background", "config", "progress", "store", "tools", "envs"}
 _BELOW_PROTOCOL = FOUNDATIONS | {"pulse", "model"}
 _SIDE = _BELOW_PROTOCOL | {"protocol", "telemetry"}
 _RUN = _SIDE | {"engine", "rollout", "train", "report"}
@@ -49,13 +52,14 @@ _RUN = _SIDE | {"engine", "rollout", "train", "report"}
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in FOUNDATIONS - BASE},
+    "envs": BASE | {"tools"},  # an environment's tool may be a service
     **{name: set() for name in BASE},
     "pulse": BASE,
     "model": BASE | {"pulse"},
     "protocol": _BELOW_PROTOCOL - {"config"},
     "telemetry": _BELOW_PROTOCOL | {"protocol"},
     "engine": _BELOW_PROTOCOL | {"protocol"},
-    "rollout": _SIDE | {"engine"},
+    "rollout": _SIDE | {"engine", "serve"},
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "serve": _BELOW_PROTOCOL | {"protocol", "engine"},
     "report": BASE | {"store", "envs", "protocol", "telemetry"},

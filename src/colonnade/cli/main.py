@@ -12,7 +12,20 @@ from collections.abc import Sequence
 
 from colonnade import __version__
 
-from . import bench, evaluate, export, exporter, invite, plan, pulse, roles, run, serve, status
+from . import (
+    bench,
+    evaluate,
+    export,
+    exporter,
+    invite,
+    plan,
+    pulse,
+    roles,
+    run,
+    serve,
+    status,
+    tools,
+)
 
 
 class CliError(Exception):
@@ -39,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     status.register(sub)
     plan.register(sub)
+    tools.register(sub)
     return parser
 
 

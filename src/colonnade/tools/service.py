@@ -1,0 +1,167 @@
+"""A tool service: an `answer(query)` callable behind HTTP, every reply signed.
+
+Routes (the contract any service can follow; docs/environments.md):
+
+- `POST /v1/call`: a `Call` as JSON (`run`, `task`, `row`, `turn`,
+  `query`); 200 with the `Reply` (`call`, `result`, `signature`), the
+  signature over the call and the result (tools/signed.py);
+- `GET /v1/key`: `{"public_key": hex}`, the key a run pins;
+- `GET /health`: `{"status": "ok", "calls": n}`.
+
+Refusals are `{"error": text}` with 400 (not a call), 411/413 (no length,
+too long) or 500 (the tool failed; a client tries again). The same call is
+answered with the same reply while the service runs (a bounded memo), so a
+worker that asks twice cannot choose between two answers of a tool that is
+not deterministic. The service signs any call: whether the call belongs to
+the run is for the trainer to check.
+
+The standard library's threaded server, as `colonnade serve` uses: each
+connection has a thread; the tool itself must be safe to call from several.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from colonnade.untrusted import SchemaError, check_json
+
+from .signed import Call, Reply, key_hex, sign_reply
+
+log = logging.getLogger("colonnade.tools")
+MAX_BODY_BYTES = 16 << 10  # a call: its query is at most 4,096 characters
+MEMO = 65_536  # calls whose replies are remembered
+
+
+class ToolService:
+    """The HTTP server over `answer`; `start` serves on a thread of its own."""
+
+    def __init__(self, answer: Callable[[str], Any], private: Ed25519PrivateKey,
+                 host: str = "127.0.0.1", port: int = 0) -> None:  # fmt: skip
+        self.answer = answer
+        self.private = private
+        self.calls = 0
+        self._memo: OrderedDict[Call, Reply] = OrderedDict()
+        self._lock = threading.Lock()
+        self.httpd = _Server((host, port), _Handler)
+        self.httpd.service = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def public_hex(self) -> str:
+        return key_hex(self.private.public_key())
+
+    def start(self) -> ToolService:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tools", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+        self.httpd.server_close()
+
+    def reply(self, call: Call) -> Reply:
+        """The signed reply to `call`: the remembered one if it was asked before."""
+        with self._lock:
+            self.calls += 1
+            if (known := self._memo.get(call)) is not None:
+                self._memo.move_to_end(call)
+                return known
+        made = sign_reply(self.private, call, self.answer(call.query))
+        with self._lock:
+            made = self._memo.setdefault(call, made)  # two threads raced: the first stands
+            while len(self._memo) > MEMO:
+                self._memo.popitem(last=False)
+        return made
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    service: ToolService
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "colonnade-tools"
+    timeout = 60  # seconds a connection may sit idle or send slowly
+    server: _Server
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        path, service = urlsplit(self.path).path, self.server.service
+        if path == "/v1/key":
+            self._send(200, {"public_key": service.public_hex})
+        elif path == "/health":
+            self._send(200, {"status": "ok", "calls": service.calls})
+        else:
+            self._send(404, {"error": f"no route GET {path}"})
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        if path != "/v1/call":
+            self._send(404, {"error": f"no route POST {path}"})
+            return
+        try:
+            call = Call.from_dict(self._body())
+        except _Refused as e:
+            self._send(e.status, {"error": str(e)})
+            return
+        except (SchemaError, ValueError) as e:
+            self._send(400, {"error": f"not a call: {str(e)[:200]}"})
+            return
+        try:
+            self._send(200, self.server.service.reply(call).to_dict())
+        except SchemaError as e:  # the tool's result is out of bounds
+            log.warning("a result out of bounds for %r: %s", call.query[:80], e)
+            self._send(500, {"error": f"the tool's result: {str(e)[:200]}"})
+        except Exception as e:  # the tool's own failure: the client may try again
+            log.exception("the tool failed on %r", call.query[:80])
+            self._send(500, {"error": f"the tool failed: {type(e).__name__}"})
+
+    def _body(self) -> Any:
+        length = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") or length is None:
+            self.close_connection = True
+            raise _Refused(411, "send the body with a Content-Length")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is left unread
+            raise _Refused(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
+        data = self.rfile.read(int(length))
+        check_json(data, MAX_BODY_BYTES)
+        return json.loads(data)
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client left: its answer goes nowhere
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(text)
+        self.status = status
