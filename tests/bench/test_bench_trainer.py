@@ -11,7 +11,7 @@ pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 KEYS = {"case", "model", "device", "dtype", "grad_ckpt", "ranks", "step_s", "tokens_per_s",
         "peak_mem_mb", "publish_s", "publish_blocked_s", "load_peak_rss_mb",
-        "peak_rss_mb"}  # fmt: skip
+        "peak_rss_mb", "patch_bytes", "trained_params"}  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -27,8 +27,19 @@ def test_quick_trainer_bench_rows_and_two_ranks_match_one(tmp_path, monkeypatch,
         ("bf16", True, 1, True),
         ("fp32", False, 2, True),
         ("fp32", False, 2, True),
+        ("bf16", True, 1, False),
+        ("fp32", False, 2, True),
     ]
-    assert [r["case"] for r in rows][-2:] == ["fsdp2x2", "fsdp2x2+meta-init"]
+    names = [r["case"] for r in rows]
+    assert names[-4:] == [
+        "fsdp2x2",
+        "fsdp2x2+meta-init",
+        "bf16+ckpt+lora",
+        "fsdp2x2+meta-init+lora",
+    ]
+    lora, two_lora = rows[-2], rows[-1]
+    assert set(lora) >= KEYS and set(two_lora) >= KEYS
+    rows = rows[:-2]
     for r in rows:
         assert set(r) >= KEYS and r["model"] == "tiny" and r["device"] == "cpu"
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["publish_s"] > 0
@@ -39,5 +50,8 @@ def test_quick_trainer_bench_rows_and_two_ranks_match_one(tmp_path, monkeypatch,
     # Each rank reading its own rows trains the same model.
     assert meta["loss"] == two["loss"] and meta["grad_norm"] == two["grad_norm"]
     assert 0 < meta["load_peak_rss_mb"] <= meta["peak_rss_mb"]
+    # LoRA trains the adapters alone, the same on 2 ranks from a skeleton as on one.
+    assert 0 < lora["trained_params"] == two_lora["trained_params"] < one["trained_params"] / 4
+    assert lora["tokens"] == one["tokens"] and lora["patch_bytes"] > 0
     # bf16 computes differently from fp32, but on the same batch it is close.
     assert abs(rows[1]["loss"] - one["loss"]) <= 0.05 * abs(one["loss"]) + 1e-3

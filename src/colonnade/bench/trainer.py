@@ -10,11 +10,15 @@ own:
   of autocast's whole-model copy);
 - FSDP2 with 2 ranks (gloo on the CPU, NCCL on 2 GPUs), fp32, whose first
   step's loss and gradient norm are compared with 1 rank's fp32 on the same
-  batch and the same initial weights.
+  batch and the same initial weights; the same reading its rows from a
+  skeleton (meta-init);
+- LoRA adapters on the frozen base, one rank and two from a skeleton: the
+  memory and the bytes a version publishes against full fine-tuning's.
 
 After each step the publishable state is snapshotted and published (int8
 PULSE) to a local store in the background, as the trainer does; columns:
-step seconds (median of the steps after the first), trained tokens/s, peak
+step seconds (median of the steps after the first), trained tokens/s,
+the median patch a version publishes (bytes), trained parameters, peak
 memory (VmHWM on the CPU, `max_memory_allocated` on CUDA) and its part
 above what the process held before the first step, publish seconds, and
 publish blocked seconds (the time a step waited for the previous
@@ -45,7 +49,11 @@ CASES = (
     ("fsdp2x2+meta-init", "fp32", False, 2, True),
     # "offload" in a name: FSDP2's CPU offload (a CUDA device only)
     ("fsdp1+bf16+ckpt+offload", "bf16", True, 1, True),
+    # "lora" in a name: rank-LORA_RANK adapters on the frozen base
+    ("bf16+ckpt+lora", "bf16", True, 1, False),
+    ("fsdp2x2+meta-init+lora", "fp32", False, 2, True),
 )
+LORA_RANK = 16
 TARGETS = {"bf16_ckpt_mem_vs_fp32": 0.6, "loss_rel_diff": 1e-3, "meta_init_load_rss": 0.6}
 
 
@@ -178,6 +186,7 @@ def run_case(spec: dict) -> dict | None:
     from colonnade.background import Background
     from colonnade.model import tied_aliases
     from colonnade.model.device import peak_memory_mb
+    from colonnade.model.lora import LoraSpec
     from colonnade.protocol import Publisher
     from colonnade.protocol.signing import Signer
     from colonnade.store import LocalStore
@@ -191,12 +200,15 @@ def run_case(spec: dict) -> dict | None:
     lm, pad_id, label, source = _load_lm(spec["model"], spec.get("folder"), meta)
     aliases, vocab = tied_aliases(lm), lm.config.vocab_size
     offload = "offload" in spec["case"]
+    adapters = LoraSpec(LORA_RANK, 2.0 * LORA_RANK) if "lora" in spec["case"] else None
     policy = build_policy(
-        lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"], source=source, cpu_offload=offload
-    )
+        lm, where, spec["dtype"] == "bf16", spec["grad_ckpt"], source=source,
+        cpu_offload=offload, adapters=adapters,
+    )  # fmt: skip
     del lm
     load_rss = _peak_rss_mb()  # the peak while loading: before any step
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4 if adapters else 1e-5)
     groups = fixed_groups(vocab, spec) if where.leader else None
     cfg = StepConfig(micro_tokens=spec["micro_tokens"])
     # Signed like the trainer's (protocol 7): the signatures are part of a publication.
@@ -209,7 +221,7 @@ def run_case(spec: dict) -> dict | None:
     if where.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where.device)
     base = _rss_mb() if where.device.type == "cpu" else torch.cuda.memory_allocated() / 2**20
-    steps, blocked, publish, first = [], [], [], None
+    steps, blocked, publish, patches, first = [], [], [], [], None
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
         m = train_step(policy, opt, groups, pad_id, cfg, where)
@@ -222,7 +234,9 @@ def run_case(spec: dict) -> dict | None:
             blocked.append(bg.wait())
 
             def job(state=state):
-                publish.append(publisher.publish(state).seconds)
+                done = publisher.publish(state)
+                publish.append(done.seconds)
+                patches.append(done.meta.patch_bytes)
 
             bg.submit(job)
     bg.close()
@@ -240,6 +254,8 @@ def run_case(spec: dict) -> dict | None:
         "load_peak_rss_mb": round(load_rss, 1), "peak_rss_mb": round(_peak_rss_mb(), 1),
         "publish_s": round(statistics.median(publish), 3),
         "publish_blocked_s": round(statistics.median(blocked[1:] or blocked), 3),
+        "patch_bytes": int(statistics.median(patches)),
+        "trained_params": sum(p.numel() for p in trained),  # a DTensor counts whole
         "loss": first.loss, "grad_norm": first.grad_norm, "tokens": first.tokens,
     }  # fmt: skip
 
@@ -275,7 +291,8 @@ def _compare(rows: list[dict]) -> None:
 def table(rows: list[dict]) -> str:
     cols = ["case", "model", "device", "dtype", "grad_ckpt", "ranks", "fsdp", "step_s",
             "tokens_per_s", "peak_mem_mb", "step_mem_mb", "load_peak_rss_mb", "publish_s",
-            "publish_blocked_s", "loss_rel_diff", "grad_norm_rel_diff"]  # fmt: skip
+            "publish_blocked_s", "patch_bytes", "trained_params", "loss_rel_diff",
+            "grad_norm_rel_diff"]  # fmt: skip
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [r.get(c, "") for c in cols]
@@ -307,6 +324,14 @@ def verdicts(rows: list[dict]) -> list[str]:
             ok = ratio <= TARGETS["meta_init_load_rss"]
             out.append(f"{'PASS' if ok else 'MISS'}  {model}: a rank's peak RSS while loading, "
                        f"meta-init {ratio:.2f}x whole (target <= 0.6)")  # fmt: skip
+        lora, full = by.get("bf16+ckpt+lora"), by.get("bf16+ckpt")
+        if lora and full:
+            mem = lora["peak_mem_mb"] / max(full["peak_mem_mb"], 1e-9)
+            sent = lora["patch_bytes"] / max(full["patch_bytes"], 1)
+            out.append(
+                f"INFO  {model}: LoRA rank {LORA_RANK} against full fine-tuning "
+                f"(bf16+ckpt): peak memory {mem:.2f}x, bytes per version {sent:.3f}x"
+            )
     return out
 
 

@@ -201,7 +201,7 @@ class Trainer:
             seed=cfg.seed,
         )
         trained = [p for p in self.policy.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(trained, lr=cfg.rate, weight_decay=cfg.weight_decay)
         self.checkpoints = Checkpointer(
             self.store,
             self.policy,
@@ -250,7 +250,7 @@ class Trainer:
     def _train(self, groups, version: int) -> StepFigures | None:
         self._command(Command.STEP, version)
         for group in self.opt.param_groups:
-            group["lr"] = warmup_lr(self.cfg.lr, version, self.cfg.warmup_versions)
+            group["lr"] = warmup_lr(self.cfg.rate, version, self.cfg.warmup_versions)
         return train_step(
             self.policy, self.opt, groups, self.tok.pad_token_id, self.step_cfg, self.where
         )
@@ -278,7 +278,7 @@ class Trainer:
                 return
             if cmd == Command.STEP:
                 for group in self.opt.param_groups:
-                    group["lr"] = warmup_lr(self.cfg.lr, arg, self.cfg.warmup_versions)
+                    group["lr"] = warmup_lr(self.cfg.rate, arg, self.cfg.warmup_versions)
                 train_step(
                     self.policy, self.opt, None, self.tok.pad_token_id, self.step_cfg, self.where
                 )
