@@ -176,3 +176,14 @@ def test_two_ranks_from_a_skeleton_train_the_same_adapters_as_one(tiny, tiny_dir
         assert torch.allclose(got[k], t.float(), rtol=1e-2, atol=1e-4), k
     trained = [json.loads((tmp_path / f"trained-{r}.json").read_text()) for r in (0, 1)]
     assert trained[0] == trained[1] and all(is_adapter(n) for n in trained[0])
+
+
+def test_with_bf16_compute_the_frozen_base_is_kept_in_bf16(tiny):
+    lm = copy.deepcopy(tiny[0])
+    policy = build_policy(lm, Dist(), True, False, adapters=SPEC)
+    dtypes = {n: p.dtype for n, p in policy.named_parameters()}
+    assert all((t == torch.float32) == is_adapter(n) for n, t in dtypes.items()), dtypes
+    assert policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight  # still tied
+    opt = _opt(policy)
+    _step(policy, opt, 0)
+    assert all(p.grad is None for p in policy.parameters() if not p.requires_grad)

@@ -280,8 +280,8 @@ def lora_memory(c: Counts, s: Setting) -> Section:
         "frozen base, bf16",
         2 * per_rank(c.params, s.ranks),
         "bytes",
-        "LoRA: the base frozen in bf16, sharded like full fine-tuning's weights "
-        "(the trainer trains full weights today: the layout a LoRA trainer would hold)",
+        "LoRA: the base frozen in bf16 (with bf16 compute; fp32 with fp32 compute), "
+        "sharded like full fine-tuning's weights",
     )
     sec.add(
         "adapters",

@@ -161,7 +161,8 @@ def build_policy(
     `cpu_offload`: FSDP2's CPUOffloadPolicy (parameters, gradients and the
     optimizer's states in host memory; a CUDA device under FSDP2 only).
     `adapters`: LoRA on a frozen base (`model/lora.py`), the adapters made
-    from `seed`, the same on every rank; only they require gradients."""
+    from `seed`, the same on every rank; only they require gradients (fp32),
+    and the base is kept in bf16 when the compute is."""
     if cpu_offload and (not where.sharded or where.device.type != "cuda"):
         raise ValueError("cpu_offload needs a CUDA device under FSDP2 (--fsdp or 2+ ranks)")
     if grad_ckpt:
@@ -172,6 +173,12 @@ def build_policy(
     lm.config.use_cache = False
     if adapters is not None:
         lora.attach(lm, adapters, seed)
+        if bf16:
+            # A frozen base needs no fp32 master: in bf16 (what the compute
+            # reads anyway) the trainer's largest tensors take half.
+            for p in lm.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     policy = Policy(lm, chunk_tokens, autocast_bf16=bf16 and not where.sharded)
     if not where.sharded:
         if source is not None:
