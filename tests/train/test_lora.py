@@ -187,3 +187,31 @@ def test_with_bf16_compute_the_frozen_base_is_kept_in_bf16(tiny):
     opt = _opt(policy)
     _step(policy, opt, 0)
     assert all(p.grad is None for p in policy.parameters() if not p.requires_grad)
+
+
+def test_a_publisher_keeping_the_base_takes_the_adapters_alone(tiny, tmp_path):
+    from colonnade.protocol import Follower, Publisher, keys
+    from colonnade.protocol.weights import VersionError
+
+    policy, aliases = _policy(tiny)
+    signer = Signer(Ed25519PrivateKey.generate(), "r1")
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, signer, "int8", anchor_every=10)
+    pub.keep_rest = True
+    pub.publish(full_state(policy, Dist(), aliases))
+    opt = _opt(policy)
+    for s in range(2):
+        _step(policy, opt, s)
+        part = full_state(policy, Dist(), aliases, adapters_only=True)
+        assert part and all(is_adapter(k) for k in part)
+        meta = pub.publish(part).meta
+    whole = pulse.prepare(full_state(policy, Dist(), aliases), "int8")
+    assert meta.state_hash == pulse.state_hash(whole, "blake3")  # the same version as a full one
+    follower = Follower(store, 10, signer.trust)
+    follower.sync()
+    assert follower.version == 2 and follower.state_hash == meta.state_hash
+    # A patch carries the adapters alone.
+    header = pulse.read_header(store.get(keys.patch_key(2)))
+    assert header["tensors"] and all(is_adapter(e["name"]) for e in header["tensors"])
+    with pytest.raises(VersionError, match="lacks"):
+        pub.publish({"no.such.lora_A.weight": torch.zeros(2, 2)})

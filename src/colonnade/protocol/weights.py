@@ -87,6 +87,9 @@ class Publisher:
         # by the trainer's main thread when the demand changes mid-version.
         self._pointing = threading.Lock()
         self.latest_bytes: bytes | None = None  # latest.json as last written here
+        # A LoRA run's base never changes: once a version is published, the
+        # trainer sends the adapters alone and the rest is the last version's.
+        self.keep_rest = False
 
     def adopt(self, version: int, prepared: dict[str, torch.Tensor], state_hash: str) -> None:
         """Continue after `version`, whose prepared state is already published."""
@@ -95,12 +98,18 @@ class Publisher:
     def publish(self, state: State, demand: Demand | None = None) -> Published:
         """Publish `state` as the next version: its patch from the last one
         (every version but v0), its full state too at an anchor, meta.json last;
-        latest.json then names it, with `demand` (the slots of this version)."""
+        latest.json then names it, with `demand` (the slots of this version).
+        With `keep_rest`, `state` may hold only the tensors that changed."""
         t0 = time.perf_counter()
         v = 0 if self.version is None else self.version + 1
         if v > 0 and self.last is None:
             raise VersionError(f"v{v}: no published state to patch from (adopt one first)")
         new = pulse.prepare(state, self.precision)
+        if self.keep_rest and self.last is not None:
+            unknown = sorted(set(new) - set(self.last))
+            if unknown:
+                raise VersionError(f"v{v}: tensors the published state lacks: {unknown[:3]}")
+            new = {**self.last, **new}  # the unchanged tensors shared, not copied
         algo = self.hash_algo
         sizes: dict[str, int | str] = {}
         if v == 0:

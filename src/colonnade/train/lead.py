@@ -151,6 +151,7 @@ class Lead:
         self.publisher = Publisher(
             self.store, self.signer, cfg.precision, cfg.anchor_every, cfg.hash
         )
+        self.publisher.keep_rest = cfg.lora_rank > 0  # snapshots of adapters alone
         self.telemetry = Telemetry.for_trainer(self.store, self.signer, 0.0, self.exporter)
         self.retention = Retention(
             self.store,

@@ -221,16 +221,19 @@ def _fill(policy: Policy, where: Dist, source: str | Path, seed: int) -> None:
     lora.init_adapters(policy, seed)
 
 
-def full_state(policy: Policy, where: Dist, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+def full_state(
+    policy: Policy, where: Dist, aliases: dict[str, str], adapters_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The publishable state on the CPU, a copy the next step cannot touch:
     the master weights rounded to bf16 (what every precision publishes from),
-    tied copies left out, LoRA's B with its scale folded in. Collective under
-    FSDP; empty on ranks other than 0."""
+    tied copies left out, LoRA's B with its scale folded in; `adapters_only`:
+    LoRA's adapters alone (the frozen base was published once). Collective
+    under FSDP; empty on ranks other than 0."""
     out = {}
     scale = lora.scale_of(policy)
     for name, t in policy.state_dict().items():
         name = name.removeprefix(PREFIX)
-        if name in aliases:
+        if name in aliases or (adapters_only and not lora.is_adapter(name)):
             continue
         # Under FSDP2 each tensor is gathered whole, one at a time, and only
         # its bf16 copy kept (rank 0): the fp32 model is never whole on a rank.

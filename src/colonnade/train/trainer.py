@@ -255,9 +255,9 @@ class Trainer:
             self.policy, self.opt, groups, self.tok.pad_token_id, self.step_cfg, self.where
         )
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        self._command(Command.SNAPSHOT)
-        return full_state(self.policy, self.where, self.aliases)
+    def _snapshot(self, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+        self._command(Command.SNAPSHOT, int(adapters_only))
+        return full_state(self.policy, self.where, self.aliases, adapters_only)
 
     def _save(self, v: int) -> None:
         """A checkpoint of v: written locally now, uploaded and committed (and
@@ -283,7 +283,7 @@ class Trainer:
                     self.policy, self.opt, None, self.tok.pad_token_id, self.step_cfg, self.where
                 )
             elif cmd == Command.SNAPSHOT:
-                full_state(self.policy, self.where, self.aliases)
+                full_state(self.policy, self.where, self.aliases, bool(arg))
             elif cmd == Command.CHECKPOINT:
                 self.checkpoints.save(arg)
             elif cmd == Command.LOAD:
@@ -414,7 +414,8 @@ class Trainer:
             return None
         figures = self._train(got.groups, v)
         retried.ledger(v + 1, got)
-        state = self._snapshot()
+        # A LoRA run gathers its adapters alone: the publisher keeps the base.
+        state = self._snapshot(adapters_only=self.cfg.lora_rank > 0)
         self.version = v + 1
         alive = retried.workers()
         lead.judge(v + 1, figures.gate_by_version)
