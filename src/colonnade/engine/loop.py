@@ -76,6 +76,10 @@ class Admission:
     # one step samples every row from one distribution.
     limits: SamplingParams | None = None
     done: Callable[[Episode], None] | None = None  # the finished episode, on the engine's thread
+    # Where its first token stands in its episode's draws: an episode of
+    # several requests (a chat client's turns) goes on from its earlier
+    # turns' tokens and replies instead of drawing from position 0 again.
+    origin: int = 0
 
 
 class Source(Protocol):
@@ -102,10 +106,11 @@ class _Row:
     stops: StopMatcher
     done: Callable[[Episode], None] | None = None
     turn: list[int] = field(default_factory=list)
+    origin: int = 0  # `Admission.origin`
 
     def draw(self) -> float:
         """The draw for the token this row samples next (at its episode position)."""
-        return float(uniforms(self.key, [len(self.episode.tokens)])[0])
+        return float(uniforms(self.key, [self.origin + len(self.episode.tokens)])[0])
 
 
 # A step whose longest chunk (a tool reply) is at least this long, beside rows
@@ -325,7 +330,8 @@ class Engine:
             stops = matchers[limits.stop] = StopMatcher(self.tokenizer, limits.stop)
         prompt = list(episode.prompt)
         ep = Episode(prompt, self.version)
-        return _Row(ep, episode.respond, list(prompt), episode.key, limits, stops, episode.done)
+        return _Row(ep, episode.respond, list(prompt), episode.key, limits, stops, episode.done,
+                    origin=episode.origin)  # fmt: skip
 
     @staticmethod
     def _drop_ended(session: Session, live: list[_Row | None]) -> None:

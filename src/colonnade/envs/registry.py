@@ -16,11 +16,13 @@ BUILTINS = {
 # `prefix:rest` names a family: the module's load_environment(rest, **kwargs).
 PREFIXES = {
     "rg": "colonnade.envs.reasoning_gym",  # rg:<dataset> of reasoning-gym
+    "vf": "colonnade.envs.verifiers",  # vf:<module>, an environment in verifiers' shape
 }
 
 
 def load_environment(name: str, **kwargs) -> Environment:
-    """`searchqa`, `searchqa2`, `smoke`, `rg:<dataset>`, or a module path such as `my_pkg.my_env`.
+    """`searchqa`, `searchqa2`, `smoke`, `rg:<dataset>`, `vf:<module>`, or a module path
+    such as `my_pkg.my_env`.
 
     The module must expose `load_environment(**kwargs)`; the object it returns
     is checked against the `Environment` interface. `kwargs` are checked as

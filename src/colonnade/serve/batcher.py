@@ -108,13 +108,18 @@ class Batcher:
         self._lock = threading.Lock()
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], keys: Sequence[bytes], limits: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[bytes],
+        limits: SamplingParams,
+        origin: int = 0,
     ) -> Future[list[Episode]]:
-        """Run one episode per prompt (one turn, within `limits`); the future
-        holds them in order. Busy when the queue is full."""
+        """Run one episode per prompt (one turn, within `limits`, its draws
+        from position `origin` on); the future holds them in order. Busy when
+        the queue is full."""
         request = _Request(len(prompts))
         episodes = [
-            Admission(p, _one_turn, k, limits, self._finisher(request, i))
+            Admission(p, _one_turn, k, limits, self._finisher(request, i), origin)
             for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
         ]
         with self._lock:

@@ -80,11 +80,14 @@ class Endpoint:
         make_job, respond = ROUTES[path]
         job = make_job(body, self.tokenizer, self.served)
         prompts = [p for p in job.prompts for _ in range(job.n)]
-        future = self.batcher.submit(prompts, job.keys(), job.limits)
+        future = self.batcher.submit(prompts, job.keys(), job.limits, job.origin)
         try:
             episodes = future.result(timeout=self.request_timeout)
         except FutureTimeout:
             raise TimeoutError(f"no answer within {self.request_timeout:g} s") from None
+        if job.episode is not None:  # a worker's episode goes on with this turn
+            text = self.pieces.text(episodes[0], job.stop)
+            self.served.episodes.record(job.episode, job.prompts[0], episodes[0], text)
         return respond(job, episodes, self.served, self.pieces)
 
 

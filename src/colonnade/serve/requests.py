@@ -15,6 +15,10 @@ the one a trainer would recompute. A request may repeat the server's
 temperature, top-p or top-k; any other value is refused. Fields that only
 change the distribution (penalties, biases, min-p) are accepted at their
 neutral values only.
+
+An endpoint inside a worker (`Served.episodes`) also reads the extension
+field `colonnade_episode`: the handle of an episode the worker opened, whose
+draw key and token positions the request's tokens take (`episodes.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ from colonnade.engine.loop import seeded_keys
 from colonnade.protocol.turns import SamplingParams, chat_prompt
 from colonnade.untrusted import is_int, is_number
 
+from .episodes import Episodes
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+EPISODE_FIELD = "colonnade_episode"
+SPENT = "the episode's token budget is spent"
 
 
 class RequestError(ValueError):
@@ -63,6 +71,7 @@ class Served:
     name: str  # what /v1/models lists and a request's `model` must name
     sampling: SamplingParams  # its temperature, top-p and top-k: every request's
     bounds: Bounds = field(default_factory=Bounds)
+    episodes: Episodes | None = None  # a worker's endpoint: requests may name an episode
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,9 @@ class Job:
     logprobs: bool
     token_ids: bool  # vLLM's return_token_ids: prompt_token_ids and token_ids
     tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
+    episode: str | None = None  # the worker's episode this turn belongs to (its handle)
+    key: bytes | None = None  # that episode's draw key
+    origin: int = 0  # where this turn's draws start in the episode
 
     @property
     def episodes(self) -> int:
@@ -85,7 +97,10 @@ class Job:
 
     def keys(self) -> list[bytes]:
         """Draw keys, prompt by prompt then choice by choice: with a seed those of
-        `Engine.generate(prompts repeated n times, seed=seed)`, else fresh."""
+        `Engine.generate(prompts repeated n times, seed=seed)`, else fresh;
+        a turn of an episode, the episode's."""
+        if self.key is not None:
+            return [self.key]
         if self.seed is None:
             return [os.urandom(32) for _ in range(self.episodes)]
         return seeded_keys(self.seed, self.episodes)
@@ -114,7 +129,7 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 # Fields read below, or accepted and not used (who is asking).
 _COMMON = {"model", "max_tokens", "n", "stop", "seed", "temperature", "top_p", "top_k",
            "ignore_eos", "return_token_ids", "return_tokens_as_token_ids", "user",
-           "request_id", "logprobs"}  # fmt: skip
+           "request_id", "logprobs", EPISODE_FIELD}  # fmt: skip
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL)
 
@@ -151,7 +166,8 @@ def completion_job(body: Any, tokenizer, served: Served) -> Job:
 def _fields(body: Any, allowed: set[str], served: Served) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in allowed)
+    unknown = sorted(k for k in body if k not in allowed or (k == EPISODE_FIELD and
+                                                             served.episodes is None))  # fmt: skip
     if unknown:
         raise RequestError(f"unsupported field {unknown[0]!r}", unknown[0])
     body = {k: v for k, v in body.items() if v is not None}  # null: as if absent
@@ -233,8 +249,30 @@ def _job(body: dict, chat: bool, prompts: list[list[int]], logprobs: bool, token
     # ends a long completion ("length"), so that "done" means a stop string.
     limits = replace(served.sampling, max_turn_tokens=max_tokens + 1,
                      max_episode_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)  # fmt: skip
-    return Job(chat, prompts, n, limits, stop, seed, logprobs, _flag(body, "return_token_ids"),
-               _flag(body, "return_tokens_as_token_ids"))  # fmt: skip
+    job = Job(chat, prompts, n, limits, stop, seed, logprobs, _flag(body, "return_token_ids"),
+              _flag(body, "return_tokens_as_token_ids"))  # fmt: skip
+    handle = body.get(EPISODE_FIELD)
+    return job if handle is None else _episode_turn(job, handle, served.episodes)
+
+
+def _episode_turn(job: Job, handle: Any, episodes: Episodes) -> Job:
+    """`job` as a turn of the worker's episode `handle`: on the episode's
+    stream so far (`Episodes.turn`), with its draws and positions, within
+    what is left of its token budget."""
+    ep = episodes.get(handle) if isinstance(handle, str) else None
+    if ep is None:
+        raise RequestError(f"{EPISODE_FIELD}: no open episode of that name", EPISODE_FIELD)
+    if job.episodes != 1 or job.seed is not None:
+        raise RequestError("a turn of an episode is one completion, without a seed",
+                           EPISODE_FIELD)  # fmt: skip
+    prompt, origin = episodes.turn(handle, job.prompts[0])
+    left = ep.left(prompt)
+    if left < 1:
+        raise RequestError(SPENT, EPISODE_FIELD)
+    tokens = min(job.limits.max_episode_tokens, left)
+    limits = replace(job.limits, max_episode_tokens=tokens, max_turn_tokens=tokens + 1)
+    return replace(job, prompts=[prompt], limits=limits, episode=handle, key=ep.key,
+                   origin=origin)  # fmt: skip
 
 
 def _stops(value: Any, bounds: Bounds) -> tuple[str, ...]:

@@ -1,0 +1,102 @@
+"""A verifiers-shaped environment's own loop through the worker's in-process endpoint.
+
+Two environments written for the tests (tests/vf_envs): `colour`, one turn
+with a local rubric, and `lookup`, several turns with a tool. Their
+episodes, made by their loops over the OpenAI client against the endpoint,
+are the engine's own: each greedy turn is what the engine makes alone on
+the stream before it; every token's μ is within the backend's tolerance of
+a teacher-forced pass over the whole stitched stream; the draws of a
+sampled episode follow from its key at positions that go on across turns;
+and what the environment added between turns is masked as its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from colonnade.engine import SamplingParams, engine_for
+from colonnade.envs import load_environment
+from colonnade.model import int8_state, load_model, sequence_logprobs
+from colonnade.protocol.draws import draw_key, outside_interval, uniforms
+from colonnade.protocol.turns import chat_prompt
+from colonnade.rollout.episodes import run_episodes
+
+pytest.importorskip("openai")
+CPU = torch.device("cpu")
+ENVS = ("vf:vf_envs.colour", "vf:vf_envs.lookup")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    model, tok = load_model(tiny_dir)
+    return engine_for(model, tok, int8_state(model), "int8", CPU, "torch", version=3)
+
+
+def _params(temperature: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_turn_tokens=10, max_episode_tokens=120)
+
+
+def _keys(tasks) -> list[bytes]:
+    return [draw_key("r", 3, "w1", 0, t.id, row) for row, t in enumerate(tasks)]
+
+
+def _segments(mask) -> list[tuple[bool, int, int]]:
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((bool(mask[start]), start, i))
+            start = i
+    return out
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_greedy_episodes_through_the_endpoint_are_the_engines_own(engine, name):
+    env = load_environment(name)
+    tasks = [t for t in env.tasks("train")[:3] for _ in range(2)]
+    params = _params(0.0)
+    results = run_episodes(engine, env, tasks, params, keys=_keys(tasks))
+    turns_seen = 0
+    for r in results:
+        ep = r.episode
+        assert ep.prompt_ids == chat_prompt(engine.tokenizer, env.prompt(r.task))
+        assert ep.from_model[0] and len(ep.tokens) == len(ep.logprobs) == len(ep.below)
+        stream = list(ep.prompt_ids)
+        for mine, start, end in _segments(ep.from_model):
+            if mine:  # the engine alone, on the stream before this turn
+                alone = engine.generate([stream], [lambda text: None], params)[0]
+                assert alone.tokens == ep.tokens[start:end], (name, r.task.id)
+                turns_seen += 1
+            stream += ep.tokens[start:end]
+        assert len(ep.turns) == sum(m for m, _, _ in _segments(ep.from_model))
+    if name.endswith("lookup"):  # the reminders and tool replies come between turns
+        assert turns_seen > len(results), turns_seen
+        assert any(not m for r in results for m in r.episode.from_model)
+    # A group's copies are alike under greedy decoding, and scored by the rubric.
+    assert results[0].episode.tokens == results[1].episode.tokens
+    assert all(r.score.reward in (0.0, 1.0) for r in results)
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_sampled_episodes_prove_their_draws_and_match_teacher_forcing(engine, name):
+    env = load_environment(name)
+    tasks = [t for t in env.tasks("train")[:2] for _ in range(3)]
+    keys = _keys(tasks)
+    results = run_episodes(engine, env, tasks, _params(1.0), keys=keys)
+    net = engine.backend.model
+    gaps = []
+    for r, key in zip(results, keys, strict=True):
+        ep = r.episode
+        model = np.asarray(ep.from_model, dtype=bool)
+        positions = np.flatnonzero(model)
+        u = uniforms(key, positions)  # positions in the whole episode, across turns
+        lp = np.asarray(ep.logprobs)[positions]
+        assert not outside_interval(u, np.asarray(ep.below)[positions], lp).any()
+        forced = sequence_logprobs(net, ep.prompt_ids + ep.tokens, len(ep.prompt_ids))
+        gaps.append(np.abs(forced.detach().numpy()[positions] - lp))
+        assert np.all(np.asarray(ep.logprobs)[~model] == 0.0)
+    gaps = np.concatenate(gaps)
+    assert gaps.max() < 0.1 and gaps.mean() < 0.02, (gaps.max(), gaps.mean())
+    # Episodes of one task differ: each row has its own draws.
+    assert len({tuple(r.episode.tokens) for r in results[:3]}) > 1
