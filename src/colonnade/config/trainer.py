@@ -167,6 +167,12 @@ class TrainerConfig:
         "registered workers' public keys: a .pub file or a directory of them; batches must "
         "then be signed (unset: unsigned batches are taken)",
     )
+    trusted_keys: str = setting(
+        "",
+        "workers whose rewards are taken where the trainer cannot recompute them (an environment "
+        "that runs its own loop, vf:NAME): a .pub file or a directory of them, each registered "
+        "in worker_keys too (unset: no worker's)",
+    )
     quarantine_factor: float = setting(
         5.0, "quarantine a worker past this many times the fleet's median mismatch (0: never)"
     )
@@ -221,6 +227,8 @@ class TrainerConfig:
             raise ValueError("micro_tokens, logit_chunk_tokens and checkpoint_every must be >= 1")
         if self.multipart_mb < 5:
             raise ValueError("multipart_mb must be >= 5 (S3's smallest part)")
+        if self.trusted_keys and not self.worker_keys:
+            raise ValueError("trusted_keys needs worker_keys: a worker is trusted by its signature")
         bad = [name for name, ok in _ranges(self) if not ok]
         if bad:
             raise ValueError(f"out of range: {'; '.join(bad)}")

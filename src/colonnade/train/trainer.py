@@ -158,10 +158,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, store: ObjectStore | None = None):
         cfg.check()
-        if cfg.worker_keys:
-            # Read before anything is written: a folder without a worker's
-            # .pub (or a bad one) is the user's, refused in one line.
-            load_keyring(Path(cfg.worker_keys))
+        for ring in (cfg.worker_keys, cfg.trusted_keys):
+            if ring:
+                # Read before anything is written: a folder without a worker's
+                # .pub (or a bad one) is the user's, refused in one line.
+                load_keyring(Path(ring))
         self.cfg = cfg
         self.where: Dist = init_distributed(
             cfg.device, cfg.store_outage_seconds + 1800, fsdp=cfg.fsdp or cfg.cpu_offload
@@ -311,6 +312,8 @@ class Trainer:
             lambda b: forged_draws(b, spec.run_id, train, spec.groups_per_batch, sampled),
             self._spot_checker(spec),
         )
+        if self.cfg.trusted_keys:  # whose rewards it takes where it cannot recompute them
+            lead.collector.trusted = load_keyring(Path(self.cfg.trusted_keys))
         if resumed:
             lead.announce_resumed(self.version)
 
