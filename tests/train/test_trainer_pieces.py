@@ -310,3 +310,34 @@ def test_cpu_offload_off_cuda_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "cpu_offload needs a CUDA device" in err[0]
     assert not (store / "run.json").exists()
+
+
+def test_a_checkpoint_holds_the_weights_of_its_step_not_of_the_next(tiny, tmp_path, monkeypatch):
+    # The write runs in DCP's thread while the next step trains: what it
+    # writes is the copy taken when save() returned. The write waits here
+    # until the next step is done (a save that wrote in place would hang).
+    import torch.distributed.checkpoint as dcp
+
+    stepped = threading.Event()
+    write = dcp.HuggingFaceStorageWriter.write_data
+
+    def after_the_step(self, *args, **kwargs):
+        assert stepped.wait(30), "save() waited for its own write"
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.HuggingFaceStorageWriter, "write_data", after_the_step)
+    store = SlowUploads(tmp_path / "store")
+    signer = _signer()
+    a, opt_a, aliases = _policy_and_opt(tiny)
+    _one_update(a, opt_a, 0)
+    saved = {n: p.detach().clone() for n, p in a.named_parameters()}
+    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer)
+    saver.save(1)
+    _one_update(a, opt_a, 1)  # moves every weight before the write
+    stepped.set()
+    store.go.set()
+    saver.finish()
+    b, opt_b, _ = _policy_and_opt(tiny)
+    Checkpointer(store, b, opt_b, Dist(), tmp_path / "staging", aliases, signer).load(1)
+    for n, p in b.named_parameters():
+        assert torch.equal(p, saved[n]), n

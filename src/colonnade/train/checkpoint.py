@@ -17,15 +17,16 @@ base is the model's own files). Not the learning rate, which the trainer sets ev
 version. Loading reads whatever slices each rank needs from every shard, so
 a run resumes on any number of ranks: DCP reshards (tested 2 ranks → 1).
 
-Every rank writes its shard to a local staging folder (the step waits for
-that: a local disk's write) and uploads it in the background while the next
-steps train (`put_file`: streamed, multipart when large), then leaves a
-marker `rank-{r}.json`; rank 0 commits state.json once every rank's marker
-is up. One checkpoint uploads at a time: the next save first waits for the
-one in flight, so the staging folder needs room for two. A trainer that
-stops waits for the upload (`finish`); one that crashes leaves a checkpoint
-without state.json, which a resume ignores. On resume the first process of
-each machine downloads the shards once for the ranks beside it.
+Every rank copies its state to host memory (the step waits for that copy
+alone: DCP's `async_save`), writes its shard to a local staging folder from
+DCP's thread and uploads it in the background while the next steps train
+(`put_file`: streamed, multipart when large), then leaves a marker
+`rank-{r}.json`; rank 0 commits state.json once every rank's marker is up.
+One checkpoint uploads at a time: the next save first waits for the one in
+flight, so the staging folder needs room for two. A trainer that stops waits
+for the upload (`finish`); one that crashes leaves a checkpoint without
+state.json, which a resume ignores. On resume the first process of each
+machine downloads the shards once for the ranks beside it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ from .distributed import Dist
 from .policy import PREFIX
 
 log = logging.getLogger("colonnade.trainer")
+# DCP warns on every save and load without a process group, which is how one
+# process is meant to use it; `async_save` warns from its own thread, where
+# `_single_process_quiet` does not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 STATE = keys.CHECKPOINT_STATE
 FORMAT = "dcp-safetensors-1"
 
@@ -120,11 +125,21 @@ class Checkpointer:
     outage_seconds: float = 600.0  # how long an upload waits out an unavailable store
     ranks_seconds: float = 3600.0  # how long rank 0 waits for every rank's shards
     uploads: Background = field(default_factory=lambda: Background("checkpoint"))
+    # DCP's background write coordinates the ranks on a group of its own:
+    # on the training's group its collectives would interleave with a step's.
+    _group: object = None
+
+    def __post_init__(self) -> None:
+        if self.where.sharded:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # collective: every rank, once
 
     def save(self, version: int, facts: dict | None = None) -> float:
-        """Collective: every rank writes its shard locally, then uploads it in
-        the background; rank 0 commits once all are up. The seconds this call
-        waited for the previous checkpoint's upload."""
+        """Collective: every rank copies its state, then writes its shard
+        locally and uploads it in the background; rank 0 commits once all are
+        up. The seconds this call waited for the previous checkpoint's
+        upload."""
         import torch.distributed.checkpoint as dcp
 
         blocked = self.uploads.wait()
@@ -134,8 +149,18 @@ class Checkpointer:
         shutil.rmtree(local, ignore_errors=True)
         writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
         with _single_process_quiet():
-            dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
-        self.uploads.submit(lambda: self._upload(version, local, facts))
+            # The state is copied to host memory here; the write to disk runs
+            # in DCP's thread while the next steps train.
+            written = dcp.async_save(
+                sd, storage_writer=writer, no_dist=not where.sharded, process_group=self._group
+            )
+
+        def upload() -> None:
+            with _single_process_quiet():
+                written.result()
+            self._upload(version, local, facts)
+
+        self.uploads.submit(upload)
         return blocked
 
     def finish(self) -> None:
