@@ -15,6 +15,10 @@ Layout of the package, bottom up:
 - `loader.py`: `BACKENDS`, the one list of backends, and the one way a
   published state becomes an engine (`engine_for`, `load_engine`).
 
+A published state that carries LoRA adapters runs them unmerged beside its
+base on every backend (torch: `model/unmerged.py`; MLX: mlx-lm's
+`LoRALinear`); a patch of the adapters alone refreshes only them.
+
 Adding a backend (vLLM, llama.cpp, a pipeline stage): write its `Backend`
 and `Cache` in one module, add it to `loader.BACKENDS`, and add it to the
 backend suite in `tests/engine/test_backends.py`.

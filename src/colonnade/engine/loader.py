@@ -35,6 +35,7 @@ from colonnade.model import (
     publishable_state,
     tied_aliases,
 )
+from colonnade.model.unmerged import load_adapters
 
 from .backend import Backend, BackendUnavailable, UnsupportedArchitecture
 from .loop import Engine
@@ -43,12 +44,15 @@ from .mlx_backend import ARCHITECTURES, mlx_missing
 log = logging.getLogger("colonnade.engine")
 
 
-def load_torch(model, state, aliases, precision: str, device: torch.device, changed=None) -> None:
-    """A prepared state into a transformers model: int8 linears on CPU, floats elsewhere."""
+def load_torch(model, state, aliases, precision: str, device: torch.device, changed=None) -> bool:
+    """A prepared state into a transformers model: int8 linears on CPU, floats
+    elsewhere, LoRA adapters unmerged beside them (`model.unmerged`); whether
+    the adapted modules changed (`load_adapters`)."""
     if precision == "int8" and device.type == "cpu":
         load_int8(model, state, aliases, changed)
     else:
         load_dequantized(model, state, aliases, changed)
+    return load_adapters(model, state, changed)
 
 
 def _torch_runs(model_type: str) -> bool:

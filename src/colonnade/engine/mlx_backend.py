@@ -22,6 +22,10 @@ experts are published in bf16 and both engines run those bf16 values (torch:
 float32 copies, `model.int8`; here mlx-lm's `SwitchLinear` in float32). The
 router is an ordinary 2-D weight and runs int8.
 
+LoRA: a state with adapters (`model/lora.py`, the scale folded into B) runs
+each adapted linear as mlx-lm's `LoRALinear` around its base, with scale 1:
+unmerged, so a patch of the adapters alone rebuilds only them.
+
 The cache: mlx-lm's own caches hold one sequence, or a batch that is only
 ever left-padded (`BatchKVCache`). `MlxCache` keeps `BatchKVCache`'s
 preallocated storage per layer and takes its mask and per-row RoPE offsets
@@ -39,6 +43,7 @@ import torch
 
 from colonnade.choices import RUN_PRECISIONS
 from colonnade.model.int8 import float_value, lookup
+from colonnade.model.lora import adapted
 from colonnade.pulse.quant import SCALE_SUFFIX
 
 from .backend import BackendUnavailable, UnsupportedArchitecture
@@ -56,6 +61,7 @@ ARCHITECTURES = {
     "qwen3_moe": "qwen3_moe",
 }
 GROUP_SIZES = (128, 64, 32)
+ADAPTER = "#adapter"  # a linear's name + this: its adapter's sources
 
 
 class MlxUnavailable(BackendUnavailable):
@@ -263,20 +269,28 @@ class MlxModel:
         return len(self.net.layers)
 
     def load(self, state: Mapping[str, torch.Tensor]) -> int:
-        """Take a version's state (int8 codes + scales, or float); how many tensors were rebuilt.
+        """Take a version's state (int8 codes + scales, or float, and LoRA
+        adapters); how many linears, adapters and tensors were rebuilt.
 
         A PULSE patch leaves unchanged tensors as the same objects, so after
-        a patch only the changed ones are laid out again, in place.
+        a patch only the changed ones are laid out again, in place: a patch
+        of adapters alone rebuilds the adapters, never the base.
         """
+        pairs = adapted(state)
+        unknown = set(pairs) - set(self.linear_names)
+        if unknown:
+            raise UnsupportedArchitecture(
+                f"the mlx engine has no linear {min(unknown)} for the state's adapter"
+            )
         rebuilt = 0
         for name in self.linear_names:
             key = lookup(state, f"{name}.weight", self.aliases)
             bias_t = state.get(f"{name}.bias")
             source = (state[key], state.get(key + SCALE_SUFFIX), bias_t)
             if not _same(self._sources.get(name), source):
-                owner, attr = _owner(self.net, name)
-                owner[attr] = self._linear(state, key, bias_t)
+                self._place(name, self._linear(state, key, bias_t))
                 self._sources[name], rebuilt = source, rebuilt + 1
+            rebuilt += self._load_adapter(name, state, pairs.get(name))
         for name in self.tensor_names:
             key, cut = self.experts.get(name, (name, None))
             key = lookup(state, key, self.aliases)
@@ -288,6 +302,38 @@ class MlxModel:
                 self._sources[name], rebuilt = source, rebuilt + 1
         self.loaded = True
         return rebuilt
+
+    def _place(self, name: str, layer) -> None:
+        """`layer` as linear `name`'s base (inside its adapter, where it has one)."""
+        owner, attr = _owner(self.net, name)
+        if isinstance(owner[attr], _lora_class()):
+            owner[attr].linear = layer
+        else:
+            owner[attr] = layer
+
+    def _load_adapter(self, name: str, state, pair: tuple[str, str] | None) -> int:
+        """Linear `name`'s adapter from `state` (`pair`: its A and B keys, None
+        for none): 1 where it was laid out again, else 0."""
+        owner, attr = _owner(self.net, name)
+        held = owner[attr] if isinstance(owner[attr], _lora_class()) else None
+        if pair is None:
+            if held is None:
+                return 0
+            owner[attr] = held.linear  # the base alone again
+            del self._sources[name + ADAPTER]
+            return 1
+        source = (state[pair[0]], state[pair[1]])
+        if _same(self._sources.get(name + ADAPTER), source):
+            return 0
+        if held is None:
+            held = owner[attr] = unmerged(owner[attr], source[0].shape[0])
+        # mlx-lm's layout: lora_a [in, r], lora_b [r, out]; in float32 as the
+        # torch engine computes them, the scale already in B'.
+        mx, _ = _mlx()
+        held.lora_a = mx.array(source[0].detach().float().T.contiguous().numpy())
+        held.lora_b = mx.array(source[1].detach().float().T.contiguous().numpy())
+        self._sources[name + ADAPTER] = source
+        return 1
 
     def _array(self, t: torch.Tensor):
         mx, _ = _mlx()
@@ -303,8 +349,10 @@ class MlxModel:
         return dense_linear(self._array(float_value(state, key, {})), bias)
 
     def linear(self, name: str):
+        """Linear `name`'s base layer (without its adapter, where it has one)."""
         owner, attr = _owner(self.net, name)
-        return owner[attr]
+        layer = owner[attr]
+        return layer.linear if isinstance(layer, _lora_class()) else layer
 
     def last_logits(self, ids, cache):
         """Logits [B, V] of each row's last column: mlx-lm's forward, the head on
@@ -328,6 +376,20 @@ class MlxModel:
         return gather_logprobs(
             torch.from_numpy(np.array(logits)), torch.tensor(ids[start:]), temperature
         )
+
+
+@functools.cache
+def _lora_class():
+    from mlx_lm.tuner.lora import LoRALinear
+
+    return LoRALinear
+
+
+def unmerged(layer, rank: int):
+    """mlx-lm's `LoRALinear` around `layer` with scale 1 (the published B'
+    holds the scale) and no dropout: base(x) + (x · A) · B. Its adapters are
+    set by the caller."""
+    return _lora_class().from_base(layer, r=rank, dropout=0.0, scale=1.0)
 
 
 def _same(old: tuple | None, new: tuple) -> bool:

@@ -7,6 +7,10 @@ in), on CUDA/MPS the codes run dequantized. The cache is transformers'
 every layer keeps every column and can be cut by column like the layout;
 windows are applied in the mask.
 
+A state with LoRA adapters runs them unmerged, a hook on each adapted
+linear (`model.unmerged`); a refresh that changes only adapters copies
+them in place.
+
 On CPU the step can run compiled (`compile`: off, on, or auto where it
 measures faster on the machine; `torch_compile.py`), falling back to the
 eager step where the compiler fails.
@@ -283,4 +287,7 @@ class TorchBackend:
     def refresh(self, state, changed: Set[str] | None) -> None:
         from .loader import load_torch
 
-        load_torch(self.model, state, self.aliases, self.precision, self.device, changed)
+        if load_torch(self.model, state, self.aliases, self.precision, self.device, changed):
+            # Adapters came, went or changed rank: a graph traced before has
+            # their hooks (or lacks them) built in, so the next step traces again.
+            self._step, self._prepared = None, self.compile == "off"
