@@ -63,7 +63,9 @@ ALLOWED: dict[str, set[str]] = {
     "train": _SIDE | {"engine"},  # spot checks recompute a row with the engine's rule
     "serve": _BELOW_PROTOCOL | {"protocol", "engine"},
     "report": BASE | {"store", "envs", "protocol", "telemetry"},
-    "operate": BASE | {"config", "store", "envs", "pulse", "protocol", "telemetry", "report"},
+    # model: an export merges a version's LoRA adapters (model.lora)
+    "operate": BASE
+    | {"config", "store", "envs", "pulse", "model", "protocol", "telemetry", "report"},
     "launch": _RUN | {"operate"},
     "cli": _RUN | {"launch", "operate", "serve"},
     "bench": _RUN | {"launch", "serve"},

@@ -15,7 +15,11 @@ DESCRIPTION = (
     "or bf16, as the run publishes), dequantized to the dtype config.json names (bf16 where "
     "it names none): not the trainer's fp32 masters, and within the published precision of "
     "them. The folder loads with transformers' AutoModelForCausalLM.from_pretrained(DIR) "
-    "and `colonnade eval --model DIR`. It is written beside DIR and renamed into place: "
+    "and `colonnade eval --model DIR`. A version trained with LoRA has its adapters merged "
+    "into the weights they adapt; --adapter writes instead the adapters alone, as a PEFT "
+    "adapter folder (adapter_model.safetensors and adapter_config.json, lora_alpha = r: "
+    "the published B holds the scale), to load over the base model the run started from. "
+    "It is written beside DIR and renamed into place: "
     "never half written. The trainer's retention keeps the versions from the previous "
     "anchor on (all of them with retain_all)."
 )
@@ -24,7 +28,7 @@ DESCRIPTION = (
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        usage="colonnade export STORE[@vN] -o DIR [--force] [--trust KEY]",
+        usage="colonnade export STORE[@vN] -o DIR [--adapter] [--force] [--trust KEY]",
         help="write a published version as a Hugging Face model folder (dequantized)",
         description=DESCRIPTION,
     )
@@ -36,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="folder to write")
     p.add_argument("--force", action="store_true", help="replace DIR if it holds anything")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write the version's LoRA adapters alone, as a PEFT adapter folder (an error "
+        "for a version without adapters)",
+    )
     p.add_argument(
         "--trust",
         help="the trainer's key: its .pub/.key file or fingerprint (SHA256:...); default "
@@ -86,11 +96,18 @@ def _export(args: argparse.Namespace) -> int:
         check_target(args.out, args.force)  # before anything is read
         store = store_at(ref.url, args.endpoint_url, args.profile)
         done = export_version(
-            store, ref.version, args.out, trusted=fingerprint, force=args.force, say=say
+            store,
+            ref.version,
+            args.out,
+            trusted=fingerprint,
+            force=args.force,
+            adapter=args.adapter,
+            say=say,
         )
     except read_errors() as e:
         raise CliError(str(e)) from None
-    say(f"v{done.version} written ({done.dtype}): {done.path}")
+    what = "adapter" if done.adapter else done.dtype
+    say(f"v{done.version} written ({what}): {done.path}")
     print(done.path)
     return 0
 

@@ -14,7 +14,11 @@ trusts anything on its own.
 The folder holds config.json, the tokenizer and the generation config as the
 trainer published them, and model.safetensors: the weights the workers run
 (int8 codes and row scales, or bf16, as the run publishes), dequantized to
-the dtype config.json names (bf16 where it names none). It is written into
+the dtype config.json names (bf16 where it names none), LoRA adapters merged
+into the weights they adapt. `adapter=True` writes instead the adapters
+alone as PEFT saves them (adapter_model.safetensors under PEFT's names,
+adapter_config.json with lora_alpha = r: the published B' holds the
+scale), for a version whose state carries adapters. It is written into
 a sibling `DIR.tmp-…` and renamed into place, so a crash never leaves a
 half-written folder at DIR.
 """
@@ -39,9 +43,13 @@ from colonnade.protocol import Follower, keys, latest_version, read_meta
 from colonnade.protocol.model_files import fetch_files
 from colonnade.protocol.reader import RunView, open_run
 from colonnade.pulse import SCALE_SUFFIX, dequantize_rows
+from colonnade.pulse.quant import is_adapter
 from colonnade.store import NotFound, ObjectStore, open_store
 
 WEIGHTS = "model.safetensors"
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PEFT's names: the model inside its wrapper
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
 # config.json's dtype names (`dtype`, formerly `torch_dtype`) an export can write.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_DTYPE = "bfloat16"
@@ -154,22 +162,67 @@ def export_dtype(config: dict) -> str:
 
 def float_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The published tensors dequantized to `dtype`, one at a time (the whole
-    state never sits in fp32): codes × row scales, others cast."""
+    state never sits in fp32): codes × row scales, others cast, and LoRA
+    adapters merged into the weights they adapt (`model.lora.merge`, in
+    float32 before the cast): a plain model's tensors."""
+    from colonnade.model.lora import adapted, merge
+
+    pairs = {f"{module}.weight": keys for module, keys in adapted(state).items()}
     out = {}
     for name, t in state.items():
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIX) or is_adapter(name):
             continue
         scale = state.get(name + SCALE_SUFFIX)
         value = dequantize_rows(t, scale) if scale is not None else t
+        if name in pairs:
+            a, b = pairs[name]
+            value = merge({name: value.float(), a: state[a], b: state[b]})[name]
         out[name] = value.to(dtype).contiguous() if value.is_floating_point() else value
     return out
+
+
+def adapter_config(state: dict[str, torch.Tensor], base_model: str | None) -> dict:
+    """adapter_config.json for the adapters of `state`, as PEFT reads it.
+    lora_alpha = r (and no rsLoRA): PEFT's scale alpha / r is then 1, the
+    scale the published B' already holds."""
+    from colonnade.model.lora import adapted, rank_of
+
+    rank = rank_of(state)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": rank,
+        "use_rslora": False,
+        "use_dora": False,
+        "target_modules": sorted({m.rpartition(".")[2] for m in adapted(state)}),
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def adapter_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of `state` by PEFT's names (as published: bf16)."""
+    return {PEFT_PREFIX + k: t.contiguous() for k, t in state.items() if is_adapter(k)}
+
+
+def base_model_name(config: dict) -> str | None:
+    """The hub name config.json gives its model (`_name_or_path`), if it
+    gives one: a path on the trainer's machine means nothing elsewhere."""
+    name = config.get("_name_or_path")
+    return name if isinstance(name, str) and _HUB_NAME.fullmatch(name) else None
 
 
 @dataclass(frozen=True)
 class Exported:
     path: Path
     version: int
-    dtype: str
+    dtype: str  # of the weights written ("bfloat16" for adapters, as published)
+    adapter: bool = False  # a PEFT adapter folder, not a model folder
 
 
 def check_target(out: Path, force: bool) -> None:
@@ -188,9 +241,13 @@ def export_version(
     *,
     trusted: str | None = None,
     force: bool = False,
+    adapter: bool = False,
     say: Say | None = None,
 ) -> Exported:
-    """Published `version` (None: the newest) as a model folder at `out`.
+    """Published `version` (None: the newest) as a model folder at `out`,
+    its LoRA adapters (if any) merged in; with `adapter`, its adapters alone
+    as a PEFT adapter folder (ExportError, nothing written, for a version
+    without adapters).
 
     `trusted`: the trainer key's fingerprint to pin (default: run.json's own).
     `force`: replace a folder that holds something. `say`: progress lines."""
@@ -199,25 +256,63 @@ def export_version(
     check_target(out, force)
     view = open_view(store, trusted)
     v = published(store, view, version)
-    say(f"export: v{v} of run {view.spec.run_id} from {store.url}")
+    head = f"export: v{v} of run {view.spec.run_id} from {store.url}"
+    if adapter:  # whether it has adapters is known once rebuilt: no line before that
+        rebuilt: list[str] = []
+        state = rebuild(store, view, v, rebuilt.append)
+        if not any(is_adapter(k) for k in state):
+            raise ExportError(f"v{v} carries no LoRA adapters: leave out --adapter")
+        for line in (head, *rebuilt):
+            say(line)
+    else:
+        say(head)
+        state = rebuild(store, view, v, say)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    # Provenance for whoever finds the folder later: strings, as safetensors wants.
+    facts = {"format": "pt", "colonnade_run": view.spec.run_id, "colonnade_version": str(v)}
     try:
         names = fetch_files(store, view.spec, tmp)
         say(f"model files: {', '.join(sorted(names))} (each as its signed hash)")
         config = tmp / "config.json"
         if not config.is_file():
             raise ExportError("the run published no config.json")
-        dtype = export_dtype(json.loads(config.read_text()))
-        tensors = float_state(rebuild(store, view, v, say), DTYPES[dtype])
-        say(f"writing {len(tensors)} tensors ({dtype}) to {out}")
-        # Provenance for whoever finds the folder later: strings, as safetensors wants.
-        facts = {"format": "pt", "colonnade_run": view.spec.run_id, "colonnade_version": str(v)}
-        save_file(tensors, tmp / WEIGHTS, metadata=facts)
+        config = json.loads(config.read_text())
+        if adapter:
+            done = _write_adapter(tmp, state, config, names, facts, say)
+        else:
+            done = _write_model(tmp, state, config, facts, say)
         _install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Exported(out, v, dtype)
+    return Exported(out, v, done, adapter)
+
+
+def _write_model(tmp: Path, state, config: dict, facts: dict, say: Say) -> str:
+    """The weights, dequantized and merged, beside the model files in `tmp`; their dtype."""
+    dtype = export_dtype(config)
+    tensors = float_state(state, DTYPES[dtype])
+    merged = sum(is_adapter(k) for k in state) // 2  # an A and a B each
+    also = f", {merged} LoRA adapters merged in" if merged else ""
+    say(f"writing {len(tensors)} tensors ({dtype}{also})")
+    save_file(tensors, tmp / WEIGHTS, metadata=facts)
+    return dtype
+
+
+def _write_adapter(tmp: Path, state, config: dict, names, facts: dict, say: Say) -> str:
+    """The adapters alone in `tmp`, as PEFT saves them (the model files go:
+    an adapter folder holds its two files)."""
+    for name in names:
+        (tmp / name).unlink()
+    tensors = adapter_tensors(state)
+    settings = adapter_config(state, base_model_name(config))
+    say(
+        f"writing {len(tensors)} adapter tensors (LoRA r={settings['r']} on "
+        f"{', '.join(settings['target_modules'])}, bfloat16 as published)"
+    )
+    save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata=facts)
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    return "bfloat16"
 
 
 def _install(tmp: Path, out: Path) -> None:
