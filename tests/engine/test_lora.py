@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_backends import _prompts, _replies
 
-from colonnade.engine import Engine, SamplingParams, engine_for, refresh
+from colonnade.engine import Engine, SamplingParams, engine_for, refresh, torch_compile
 from colonnade.engine.loader import load_torch
 from colonnade.engine.torch_backend import TorchBackend
 from colonnade.model import load_model, publishable_state, sequence_logprobs, tied_aliases
@@ -163,6 +163,15 @@ def test_a_state_without_adapters_runs_no_hook(path, states, tiny_dir):
     refresh(engine, base, None, 2)
     assert _hooks(engine.backend.model) == 0
     assert torch.equal(_logprobs(engine.backend.model, tok), _logprobs(net, tok))
+
+
+def test_compile_auto_measures_a_model_with_adapters_apart(states, tiny_dir):
+    # `auto` keeps one measured choice per model shape: adapters add small
+    # ops to every step, so a choice measured without them is not theirs.
+    v1, _, _, base = states
+    with_adapters = torch_compile.signature(_int8_engine(tiny_dir, v1).backend)
+    without = torch_compile.signature(_int8_engine(tiny_dir, base).backend)
+    assert with_adapters == f"{without} lora {len(adapted(v1))}x r{RANK}"
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,7 @@ import torch._dynamo
 
 from colonnade.model.int8 import compile_options
 from colonnade.model.kernels import machine_key, machine_slug, read_choices, write_choices
+from colonnade.model.unmerged import adapted_modules
 
 from .layout import Block, Layout
 
@@ -279,12 +280,19 @@ def decode_seconds(forward: Callable, backend, rows: int, vocab: int) -> float:
 
 
 def signature(backend) -> str:
-    """What a measured choice holds for: the model's shape and precision."""
+    """What a measured choice holds for: the model's shape and precision,
+    and its LoRA adapters where it runs some (small ops added to every
+    step, which can move the balance between the eager and compiled step)."""
     text = backend.model.config.get_text_config()
+    adapters = adapted_modules(backend.model)
+    lora = ""
+    if adapters:
+        rank = next(iter(adapters.values())).adapter_a.shape[0]
+        lora = f" lora {len(adapters)}x r{rank}"
     return (
         f"{text.model_type} {text.hidden_size}x{text.num_hidden_layers} "
         f"heads {text.num_attention_heads}/{getattr(text, 'num_key_value_heads', None)} "
-        f"vocab {text.vocab_size} {backend.precision}"
+        f"vocab {text.vocab_size} {backend.precision}{lora}"
     )
 
 
