@@ -56,8 +56,12 @@ def _attach(module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
     device = next((t.device for t in own if not t.is_meta), torch.device("cpu"))
     if holds_adapter(module):
         vars(module)[_HOOK].remove()
-    module.register_buffer(A, a.detach().to(device, torch.float32, copy=True), persistent=False)
-    module.register_buffer(B, b.detach().to(device, torch.float32, copy=True), persistent=False)
+    # Normal tensors even when loaded under inference_mode: a later refresh
+    # copies into them, maybe outside it, which an inference tensor refuses.
+    with torch.inference_mode(False):
+        a, b = (t.detach().to(device, torch.float32, copy=True) for t in (a, b))
+    module.register_buffer(A, a, persistent=False)
+    module.register_buffer(B, b, persistent=False)
     vars(module)[_HOOK] = module.register_forward_hook(_unmerged)
 
 
