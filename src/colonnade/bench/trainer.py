@@ -214,6 +214,7 @@ def run_case(spec: dict) -> dict | None:
     # Signed like the trainer's (protocol 7): the signatures are part of a publication.
     signer = Signer(Ed25519PrivateKey.generate(), "bench")
     publisher = Publisher(LocalStore(spec["store"]), signer, "int8", anchor_every=1000)
+    publisher.keep_rest = adapters is not None  # as the trainer: adapters alone after v0
     v0 = full_state(policy, where, aliases)  # collective under FSDP
     if where.leader:
         publisher.publish(v0)  # before timing
@@ -225,7 +226,7 @@ def run_case(spec: dict) -> dict | None:
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
         m = train_step(policy, opt, groups, pad_id, cfg, where)
-        state = full_state(policy, where, aliases)
+        state = full_state(policy, where, aliases, adapters_only=adapters is not None)
         if where.device.type == "cuda":
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - t0)
