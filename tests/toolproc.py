@@ -27,7 +27,7 @@ class ServiceProcess:
         self.url = self.key = ""
 
     def start(self) -> ServiceProcess:
-        path = os.pathsep.join([str(TESTS / "tools"), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(self.args, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": path})  # fmt: skip
         t0 = time.monotonic()

@@ -318,7 +318,7 @@ def test_a_protocol_mismatch_names_both_versions(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="colonnade.trainer"):
         c.collect(0, need=1, timeout=0.2)
     (line,) = [r.getMessage() for r in caplog.records if "rejected batch" in r.getMessage()]
-    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 8" in line
+    assert "(protocol)" in line and "speaks protocol 5; this colonnade speaks 9" in line
     assert "\n" not in line
 
 

@@ -93,9 +93,10 @@ def test_batches_are_safetensors_in_zstd_with_int32_ids_and_float32_logprobs():
         "lengths": ("<i4", (2,)),
     }
     _, fields, _ = split(_batch())
-    assert fields == {"protocol": 8, "worker": "w1", "version": 3, "seq": 0, "slot": 0,
+    assert fields == {"protocol": 9, "worker": "w1", "version": 3, "seq": 0, "slot": 0,
                       "engine": "torch", "stats": {"reward": 0.5},
-                      "groups": [{"task_id": "q1", "finish": ["done", "done"]}]}  # fmt: skip
+                      "groups": [{"task_id": "q1", "finish": ["done", "done"]}],
+                      "tools": []}  # fmt: skip
 
 
 def test_logprobs_travel_as_float32():
@@ -286,11 +287,11 @@ def test_headers_that_lie_about_their_size_or_nest_are_rejected():
 def test_a_json_batch_of_protocol_2_is_refused_naming_both_versions():
     doc = {"engine": "torch", "groups": [], "seq": 0, "stats": {}, "version": 0, "worker": "w1"}
     old = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 8"):
+    with pytest.raises(ProtocolMismatch, match="protocol 2; this colonnade speaks 9"):
         decode_batch(old, 100, 16)
     _, fields, tensors = split(_batch())
-    for theirs in (2, 3, 4, 5, 6, 7, 9, "8", 8.0, True):  # 7: a worker of the release before
-        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 8"):
+    for theirs in (2, 3, 4, 5, 6, 7, 8, 10, "9", 9.0, True):  # 8: the release before
+        with pytest.raises(ProtocolMismatch, match=f"protocol {theirs!r}; this colonnade speaks 9"):
             decode_batch(forge({**fields, "protocol": theirs}, tensors), 100, 16)
 
 
@@ -328,8 +329,8 @@ def test_the_bound_holds_a_full_honest_batch_and_refuses_one_more_byte():
     big = raw_bytes(fields, tensors, trailing=b"\0" * bound)
     with pytest.raises(SchemaError, match="zstd"):
         decode_batch(compress(big), 100, tokens, bound)
-    # 8 groups of 8 episodes of 512 tokens: 13 bytes a token and little more
-    assert batch_bytes_bound(64, 512, 8) == 64 * (512 * 13 + 32) + 8 * 4096 + (64 << 10)
+    # 8 groups of 8 episodes of 512 tokens: 13 bytes a token, 32 for tool replies
+    assert batch_bytes_bound(64, 512, 8) == 64 * (512 * (13 + 32) + 32) + 8 * 4096 + (64 << 10)
     assert batch_bytes_bound(64, 512) == batch_bytes_bound(64, 512, 64)
     assert batch_bytes_bound(4096, 1 << 20) == 64 << 20
     # groups of several episodes share a task id
@@ -364,10 +365,10 @@ def test_run_spec_round_trip_and_validation():
     sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
     doc, trust = read_run_envelope(sealed, None)
     assert RunSpec.from_dict(doc) == _spec(signer) and trust.fingerprint == signer.trust.fingerprint
-    for old in (b'"protocol":1', b'"protocol":7', b'"protocol":9', b'"protocol":"8"'):
-        with pytest.raises(ProtocolMismatch, match=r"protocol \S+; this colonnade speaks 8"):
-            read_run_envelope(sealed.replace(b'"protocol":8', old), None)
-    with pytest.raises(ProtocolMismatch, match="protocol 6; this colonnade speaks 8"):
+    for old in (b'"protocol":1', b'"protocol":8', b'"protocol":10', b'"protocol":"9"'):
+        with pytest.raises(ProtocolMismatch, match=r"protocol \S+; this colonnade speaks 9"):
+            read_run_envelope(sealed.replace(b'"protocol":9', old), None)
+    with pytest.raises(ProtocolMismatch, match="protocol 6; this colonnade speaks 9"):
         read_run_envelope(json.dumps({**_spec().to_dict(), "protocol": 6}).encode(), None)
 
 
@@ -388,12 +389,12 @@ def test_an_inbox_bucket_is_reached_where_the_run_store_is_unless_told_otherwise
     assert open_inbox(LocalStore(tmp_path), spec).endpoint_url is None  # AWS
 
 
-def test_a_run_json_of_protocol_8_point_0_is_refused():
-    # The protocol is an integer, as in a batch (8.0 and true are refused there).
+def test_a_run_json_of_protocol_9_point_0_is_refused():
+    # The protocol is an integer, as in a batch (9.0 and true are refused there).
     signer = _signer()
     sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
-    with pytest.raises(ProtocolMismatch, match=r"protocol 8\.0; this colonnade speaks 8"):
-        read_run_envelope(sealed.replace(b'"protocol":8', b'"protocol":8.0'), None)
+    with pytest.raises(ProtocolMismatch, match=r"protocol 9\.0; this colonnade speaks 9"):
+        read_run_envelope(sealed.replace(b'"protocol":9', b'"protocol":9.0'), None)
 
 
 def test_run_spec_names_every_field_and_groups_per_step_round_trips():
@@ -684,8 +685,8 @@ def test_a_worker_refuses_a_run_of_another_protocol_in_one_line(tmp_path, capsys
     store = LocalStore(tmp_path)
     # A run of the release before: refused, naming both.
     sealed = signer.seal(keys.RUN, _spec(signer).to_dict())
-    store.put(keys.RUN, sealed.replace(b'"protocol":8', b'"protocol":7'))
+    store.put(keys.RUN, sealed.replace(b'"protocol":9', b'"protocol":7'))
     assert main(["worker", "--store", str(tmp_path), "--id", "w1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert "run.json speaks protocol 7; this colonnade speaks 8" in err
+    assert "run.json speaks protocol 7; this colonnade speaks 9" in err

@@ -28,11 +28,12 @@ from colonnade.untrusted import SchemaError, is_int, is_number, need
 # The collector's counters, cumulative over the run (whatever the trainer
 # instance), flattened into the trainer's rows under these names:
 # batches_rejected, batches_dropped_stale, groups_rejected, groups_replayed,
-# batches_from_{engine} (batches trained on, per engine) and
-# rejected_{reason} (batches rejected, per reason).
+# batches_from_{engine} (batches trained on, per engine),
+# rejected_{reason} (batches rejected, per reason) and
+# groups_rejected_{reason} (groups rejected, where the replay names a reason).
 COUNT_NAMES = ("batches_rejected", "batches_dropped_stale", "groups_rejected", "groups_replayed")
 REJECTED_PREFIX = "rejected_"  # rejected_{reason}: batches rejected for that reason
-COUNT_PREFIXES = ("batches_from_", REJECTED_PREFIX)
+COUNT_PREFIXES = ("batches_from_", REJECTED_PREFIX, "groups_rejected_")
 
 
 def is_count(name: str) -> bool:

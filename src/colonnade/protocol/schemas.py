@@ -25,6 +25,7 @@ from colonnade import untrusted
 from colonnade.choices import ENGINES, PUBLISHED_PRECISIONS
 from colonnade.envs.args import check_env_kwargs
 from colonnade.pulse.hashing import is_hash
+from colonnade.tools.signed import Reply
 from colonnade.untrusted import SchemaError, is_int, is_number, need
 
 from .keys import MAX_SLOT, PROTOCOL_VERSION, check_worker_id
@@ -32,7 +33,8 @@ from .keys import MAX_SLOT, PROTOCOL_VERSION, check_worker_id
 MAX_JSON_BYTES = 1 << 20  # run.json, meta.json, heartbeats
 MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
 MAX_EPISODES = 4096
-FINISHES = ("done", "eos", "length")
+FINISHES = ("done", "eos", "length", "tool")  # tool: its tool service gave no reply
+MAX_TOOL_REPLIES = 256  # signed replies of one episode
 
 
 class ProtocolMismatch(SchemaError):
@@ -294,6 +296,9 @@ class EpisodeRecord:
     # Probability mass below each sampled token in token-id order: where its
     # draw's interval starts (`protocol.draws`); 0.0 on tool tokens.
     below: list[float] = field(default_factory=list)
+    # Its tool service's signed replies, one per served turn, in order
+    # (tools/signed.py); none where the environment answers itself.
+    tools: list[Reply] = field(default_factory=list)
 
 
 @dataclass
@@ -315,7 +320,8 @@ class RolloutBatch:
 
 # Known names only: the trainer counts batches per engine, and a free-form
 # name from a worker would grow that count table without bound.
-BATCH_FIELDS = {"protocol", "worker", "version", "seq", "slot", "engine", "stats", "groups"}
+BATCH_FIELDS = {"protocol", "worker", "version", "seq", "slot", "engine", "stats", "groups",
+                "tools"}  # fmt: skip
 META_KEY = "colonnade"  # the one entry of the safetensors metadata: the batch's JSON fields
 # name -> (safetensors dtype, numpy dtype); every tensor is one-dimensional.
 TENSORS = {
@@ -326,6 +332,9 @@ TENSORS = {
     "lengths": ("I32", np.dtype("<i4")),  # tokens per episode, in order
 }
 TOKEN_BYTES = sum(dt.itemsize for name, (_, dt) in TENSORS.items() if name != "lengths")
+# Room for a tool service's signed replies, per token of an episode: a
+# result, its call and signature, escaped twice (they are metadata JSON).
+REPLY_BYTES = 32
 EPISODE_BYTES = 32  # an episode's length and finish
 GROUP_BYTES = 4 << 10  # a group's task id, escaped in the metadata JSON and again in the header
 HEADER_SLACK = 64 << 10  # the tensors' entries, worker, stats and the rest
@@ -360,11 +369,35 @@ def pack_batch(batch: RolloutBatch) -> bytes:
         "slot": batch.slot,
         "engine": batch.engine,
         "stats": batch.stats,
+        "tools": _tools_fields(batch),
         "groups": [
             {"task_id": g.task_id, "finish": [e.finish for e in g.episodes]} for g in batch.groups
         ],
     }
     return save(tensors, metadata={META_KEY: dumps(meta).decode()})
+
+
+def _tools_fields(batch: RolloutBatch) -> list:
+    """The signed replies, per group and episode; [] when no episode has one."""
+    if not any(e.tools for g in batch.groups for e in g.episodes):
+        return []
+    return [[[r.to_dict() for r in e.tools] for e in g.episodes] for g in batch.groups]
+
+
+def _replies(tools: Any, groups: list) -> list[list[list[Reply]]]:
+    """The batch's signed replies per group and episode, shapes and sizes checked
+    (their signatures are the trainer's to check: train/replies.py)."""
+    need(isinstance(tools, list), "tools: a list")
+    if not tools:
+        return [[[] for _ in g["finish"]] for g in groups]
+    need(len(tools) == len(groups), "tools: one list per group")
+    out = []
+    for per, g in zip(tools, groups, strict=True):
+        need(isinstance(per, list) and len(per) == len(g["finish"]), "tools: a list an episode")
+        need(all(isinstance(r, list) and len(r) <= MAX_TOOL_REPLIES for r in per),
+             f"tools: at most {MAX_TOOL_REPLIES} replies an episode")  # fmt: skip
+        out.append([[Reply.from_dict(r) for r in replies] for replies in per])
+    return out
 
 
 def _below(e: EpisodeRecord) -> np.ndarray:
@@ -384,9 +417,11 @@ def batch_bytes_bound(episodes: int, max_tokens: int, groups: int | None = None)
     need: 13 bytes a token (int32 id, float32 log-prob and mass below, uint8
     mask), 32 bytes an episode (its length and finish), 4 KiB a group (a task
     id of 256 characters, escaped twice) and 64 KiB for the rest of the header. What a
-    run asks of its workers bounds what the trainer will inflate and parse."""
+    run asks of its workers bounds what the trainer will inflate and parse;
+    REPLY_BYTES more a token make room for a tool service's signed replies."""
     groups = episodes if groups is None else groups
-    need = episodes * (max_tokens * TOKEN_BYTES + EPISODE_BYTES) + groups * GROUP_BYTES
+    per_token = TOKEN_BYTES + REPLY_BYTES
+    need = episodes * (max_tokens * per_token + EPISODE_BYTES) + groups * GROUP_BYTES
     return min(MAX_BATCH_BYTES, need + HEADER_SLACK)
 
 
@@ -484,6 +519,7 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
         need(isinstance(g["finish"], list) and g["finish"], "finish: a non-empty list")
         need(all(isinstance(f, str) and f in FINISHES for f in g["finish"]),
              f"finish: one of {FINISHES}")  # fmt: skip
+    replies = _replies(d["tools"], groups)
     episodes = sum(len(g["finish"]) for g in groups)
     need(episodes <= MAX_EPISODES, "too many episodes")
     shapes = {name: head[name]["shape"][0] for name in TENSORS}
@@ -522,5 +558,8 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
                                      under[i].tolist()))  # fmt: skip
             i += 1
         out.append(GroupRecord(g["task_id"], eps))
+    for group, per in zip(out, replies, strict=True):
+        for ep, signed in zip(group.episodes, per, strict=True):
+            ep.tools = signed
     return RolloutBatch(d["worker"], d["version"], d["seq"], out, dict(d["stats"]), d["engine"],
                         d["slot"])  # fmt: skip

@@ -80,7 +80,7 @@ from colonnade.store.retry import backoff
 from colonnade.telemetry import Exporter, Telemetry
 
 from .claims import Claims
-from .episodes import run_episodes
+from .episodes import run_episodes, tool_figures
 from .pacing import Pacer
 from .tally import Tally
 from .watch import Quarantined, Watch
@@ -395,15 +395,17 @@ class Worker:
             raise RuntimeError(f"claimed a slot of v{v} but the engine runs v{engine.version}")
         g = j.spec.group_size
         tasks = [t for t in chosen for _ in range(g)]
-        results = run_episodes(engine, j.env, tasks, j.params, keys=draws)
+        results = run_episodes(engine, j.env, tasks, j.params, keys=draws, run_id=j.spec.run_id)
         groups = []
         for i, task in enumerate(chosen):
             eps = [r.episode for r in results[i * g : (i + 1) * g]]
             records = [EpisodeRecord(e.tokens, e.from_model, e.logprobs, e.finish, e.below)
                        for e in eps]  # fmt: skip
+            for record, r in zip(records, results[i * g : (i + 1) * g], strict=True):
+                record.tools = r.tools  # a tool service's signed replies
             groups.append(GroupRecord(task.id, records))
         reward = sum(r.score.reward for r in results) / len(results)
-        stats = {"reward_claimed": reward}
+        stats = {"reward_claimed": reward, **tool_figures(results)}
         return RolloutBatch(self.id, v, self.seq, groups, stats, engine.name, slot)
 
     def upload(self, batch: RolloutBatch) -> str:

@@ -13,8 +13,8 @@ counters exist for registered ids only (an open run: for ids that have had
 a group accepted), so junk under fresh names grows no state. Whatever one object
 holds (not a file, too large, a zstd bomb, a header nested to blow the stack,
 bad schema or tensors, another protocol's batch, a signature that fails,
-draws or spot-checked rows that prove a forgery, episodes that do not
-replay), it is
+draws or spot-checked rows that prove a forgery, a tool service's reply
+signed for another row, episodes that do not replay), it is
 rejected, counted under a reason, and the collector moves on; only an
 unavailable store is raised, to be retried. Replays are recognised by
 content, not bytes: a group's digest covers its task and token ids, not
@@ -42,6 +42,7 @@ from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, RolloutBatc
 from colonnade.protocol.signing import MAGIC, SIG_BYTES, SignatureRejected, strip_unsigned, verify
 from colonnade.store import InvalidObject, NotFound, ObjectStore, ObjectTooLarge, StoreUnavailable
 
+from .replies import misbound
 from .samples import Sample
 
 log = logging.getLogger("colonnade.trainer")
@@ -180,6 +181,9 @@ class Collector:
             self.counts["groups_rejected"] += 1
             stats["groups_rejected"] += 1
             log.warning("rejected a group of %s from %s: %s", g.task_id[:64], worker, e)
+            if reason := getattr(e, "reason", ""):  # e.g. a tool reply altered
+                self.counts[f"groups_rejected_{reason}"] += 1
+                stats[f"groups_rejected_{reason}"] += 1
             return None, "rejected"
         fresh.add(d)
         for sample in samples:
@@ -197,6 +201,8 @@ class Collector:
         if batch is not None and self.check_draws is not None and self._claimant(batch) != worker:
             claim = f"slot {batch.slot} of v{version}"
             batch, why = None, ("unclaimed", SchemaError(f"{claim} is not {worker}'s claim"))
+        if batch is not None and (bad := misbound(batch, self.run_id)) is not None:
+            batch, why = None, ("tool_reply", SchemaError(bad))
         if batch is not None and (proof := self._forgery(batch)) is not None:
             # One proven forgery is enough: refused from now on, quarantined
             # at the next judgement.

@@ -4,7 +4,8 @@ A worker sends token ids, which of them it wrote, and its log-probs. The
 trainer rebuilds the prompt from the task id, decodes the model's turns from
 the ids, replays the environment on them and checks that every tool reply
 in the episode is exactly what the environment answers, then scores the
-turns itself. The worker's own reward or text is never used.
+turns itself. The worker's own reward or text is never used. A reply of a
+tool service is not replayed: its signature is checked (train/replies.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from colonnade.envs import Environment, Score
 from colonnade.protocol import EpisodeRecord, GroupRecord
 from colonnade.protocol.turns import chat_prompt, model_turns
+from colonnade.tools.served import score as score_episode
+
+from .replies import Answers, ToolRejected
 
 
 class Rejected(ValueError):
@@ -43,20 +47,26 @@ def _segments(from_model: Sequence[bool]) -> list[tuple[bool, int, int]]:
     return out
 
 
-def _check_replies(tokenizer, env: Environment, task, ep: EpisodeRecord, turns) -> None:
+def _check_replies(tokenizer, env: Environment, task, ep: EpisodeRecord, turns) -> list:
+    """Every reply as the environment gives it (a service's: as signed); the
+    service's results, for the score."""
+    answers = Answers(env, task, ep)
     segs = _segments(ep.from_model)
     model_segs = [s for s in segs if s[0]]
     env_segs = [s for s in segs if not s[0]]
     if len(model_segs) != len(turns) or len(turns) > env.max_turns:
         raise Rejected("turn structure does not match the tokens")
     for i, (_, start, end) in enumerate(env_segs):
-        reply = env.respond(task, list(turns[: i + 1]))
+        reply = answers.respond(list(turns[: i + 1]))
         if reply is None:
             raise Rejected(f"tool text after turn {i + 1}, where the environment ends")
         if list(ep.tokens[start:end]) != tokenizer.encode(reply, add_special_tokens=False):
-            raise Rejected(f"tool reply after turn {i + 1} differs from the environment's")
+            what = ToolRejected if answers.signed else Rejected  # a signed reply's text changed
+            raise what(f"tool reply after turn {i + 1} differs from the environment's")
     if len(env_segs) == len(turns) and ep.finish == "done":
         raise Rejected("episode ends on a tool reply but claims the environment ended it")
+    answers.finish(turns, len(env_segs))
+    return answers.results
 
 
 def rebuild_episode(
@@ -67,7 +77,7 @@ def rebuild_episode(
     if len(prompt) + len(ep.tokens) > max_len:
         raise Rejected(f"episode of {len(prompt) + len(ep.tokens)} tokens exceeds {max_len}")
     turns = model_turns(tokenizer, ep.tokens, ep.from_model, stop)
-    _check_replies(tokenizer, env, task, ep, turns)
+    results = _check_replies(tokenizer, env, task, ep, turns)
     return Sample(
         task_id,
         version,
@@ -75,7 +85,7 @@ def rebuild_episode(
         prompt + list(ep.tokens),
         list(ep.from_model),
         list(ep.logprobs),
-        env.score(task, turns),
+        score_episode(env, task, turns, results),
     )
 
 
