@@ -193,6 +193,7 @@ class SpotChecker:
         # version -> an engine holding it: one CPU model per version held, so
         # that batches of several versions in one step load each version once
         self._engines: dict[int, object] = {}
+        self._held: dict[int, dict[str, torch.Tensor]] = {}  # the state each engine was given
         self._prompts: dict[str, list[int]] = {}
         self.rows_checked = 0
         self.seconds = 0.0  # spent checking, in total
@@ -290,12 +291,18 @@ class SpotChecker:
                 spare = [v for v in self._engines if v not in self.states]
             if spare:
                 engine = self._engines.pop(spare[0])
-                refresh(engine, state, None, version)
+                held = self._held.pop(spare[0])
+                # Tensors a version shares with the one the engine holds (a
+                # LoRA run's base: the publisher keeps the same objects) are
+                # not loaded again.
+                changed = {k for k, t in state.items() if held.get(k) is not t}
+                refresh(engine, state, changed, version)
             else:
                 cpu = torch.device("cpu")
                 engine = engine_for(
                     self.skeleton(), self.tokenizer, state, self.precision, cpu, version=version
                 )
             self._engines[version] = engine
+            self._held[version] = dict(state)
             self.load_seconds += time.perf_counter() - t0
         return engine.backend.model
