@@ -8,7 +8,8 @@
 #    against bf16 + activation checkpointing on 1 GPU: step seconds, tokens/s,
 #    peak GPU memory (max_memory_allocated), background publish seconds.
 #    1b: a Qwen3-1.7B-shaped model (random init) in bf16 + checkpointing under
-#    FSDP2 on one GPU, without and with CPU offload: step time, peak GPU memory.
+#    FSDP2 on one GPU, without and with CPU offload, and with rank-16 LoRA on its
+#    frozen bf16 base: step time, peak GPU memory, bytes per version.
 # 2. A short `colonnade run --preset smoke` with the trainer on CUDA in bf16 and one
 #    CPU worker: step time, peak GPU memory and held-out pass@1 before and after.
 #
@@ -41,7 +42,8 @@ $PY -m colonnade bench trainer --device cuda --models smollm2-135m,tiny \
 
 echo "== 1b. bench trainer on CUDA at size: a Qwen3-1.7B shape (random init), FSDP2 on 1 GPU"
 $PY -m colonnade bench trainer --device cuda --models qwen3-1.7b \
-    --cases fsdp1+bf16+ckpt,fsdp1+bf16+ckpt+offload --steps 3 --groups 4 --group-size 8 \
+    --cases fsdp1+bf16+ckpt,fsdp1+bf16+ckpt+offload,bf16+ckpt+lora --steps 3 --groups 4 \
+    --group-size 8 \
     --prompt 256 --gen 512 \
     --micro-tokens 16384 --json | tee "$OUT/bench_trainer_1p7b.jsonl"
 
