@@ -330,7 +330,7 @@ def test_the_bound_holds_a_full_honest_batch_and_refuses_one_more_byte():
     with pytest.raises(SchemaError, match="zstd"):
         decode_batch(compress(big), 100, tokens, bound)
     # 8 groups of 8 episodes of 512 tokens: 13 bytes a token, 32 for tool replies
-    assert batch_bytes_bound(64, 512, 8) == 64 * (512 * (13 + 32) + 32) + 8 * 4096 + (64 << 10)
+    assert batch_bytes_bound(64, 512, 8) == 64 * (512 * (13 + 32) + 64) + 8 * 4096 + (64 << 10)
     assert batch_bytes_bound(64, 512) == batch_bytes_bound(64, 512, 64)
     assert batch_bytes_bound(4096, 1 << 20) == 64 << 20
     # groups of several episodes share a task id

@@ -46,8 +46,10 @@ import re
 # 7: the trainer signs what workers act on; workers write only to an inbox.
 # 8: tokens are drawn from public randomness: a batch names its claim slot,
 #    and every token carries the probability mass below it.
-# 9: an episode may carry its tool service's signed replies (tools/), and
-#    ends `tool` where the service gave none.
+# 9: a group may carry the worker's reward of each episode (an environment
+#    whose episodes the trainer cannot replay: train/trust.py). An episode
+#    may carry its tool service's signed replies (tools/), and ends `tool`
+#    where the service gave none.
 PROTOCOL_VERSION = 9
 RUN = "run.json"
 LATEST = "weights/latest.json"

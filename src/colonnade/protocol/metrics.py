@@ -30,8 +30,11 @@ from colonnade.untrusted import SchemaError, is_int, is_number, need
 # batches_rejected, batches_dropped_stale, groups_rejected, groups_replayed,
 # batches_from_{engine} (batches trained on, per engine),
 # rejected_{reason} (batches rejected, per reason) and
-# groups_rejected_{reason} (groups rejected, where the replay names a reason).
-COUNT_NAMES = ("batches_rejected", "batches_dropped_stale", "groups_rejected", "groups_replayed")
+# groups_rejected_{reason} (groups rejected, where the replay names a reason);
+# rewards_recomputed and rewards_trusted: episodes trained on whose reward
+# the trainer computed, or took from a trusted worker (train/trust.py).
+COUNT_NAMES = ("batches_rejected", "batches_dropped_stale", "groups_rejected", "groups_replayed",
+               "rewards_recomputed", "rewards_trusted")  # fmt: skip
 REJECTED_PREFIX = "rejected_"  # rejected_{reason}: batches rejected for that reason
 COUNT_PREFIXES = ("batches_from_", REJECTED_PREFIX, "groups_rejected_")
 

@@ -35,6 +35,7 @@ MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
 MAX_EPISODES = 4096
 FINISHES = ("done", "eos", "length", "tool")  # tool: its tool service gave no reply
 MAX_TOOL_REPLIES = 256  # signed replies of one episode
+MAX_REWARD = 1e6  # a worker's claimed reward, in size: the advantages divide by their spread
 
 
 class ProtocolMismatch(SchemaError):
@@ -305,6 +306,10 @@ class EpisodeRecord:
 class GroupRecord:
     task_id: str
     episodes: list[EpisodeRecord]
+    # The worker's reward of each episode (protocol 9), sent only for an
+    # environment whose episodes the trainer cannot replay; None otherwise.
+    # The trainer uses it only under its trust rule (train/trust.py).
+    rewards: list[float] | None = None
 
 
 @dataclass
@@ -335,7 +340,7 @@ TOKEN_BYTES = sum(dt.itemsize for name, (_, dt) in TENSORS.items() if name != "l
 # Room for a tool service's signed replies, per token of an episode: a
 # result, its call and signature, escaped twice (they are metadata JSON).
 REPLY_BYTES = 32
-EPISODE_BYTES = 32  # an episode's length and finish
+EPISODE_BYTES = 64  # an episode's length, finish and reward (protocol 9), escaped
 GROUP_BYTES = 4 << 10  # a group's task id, escaped in the metadata JSON and again in the header
 HEADER_SLACK = 64 << 10  # the tensors' entries, worker, stats and the rest
 
@@ -370,11 +375,18 @@ def pack_batch(batch: RolloutBatch) -> bytes:
         "engine": batch.engine,
         "stats": batch.stats,
         "tools": _tools_fields(batch),
-        "groups": [
-            {"task_id": g.task_id, "finish": [e.finish for e in g.episodes]} for g in batch.groups
-        ],
+        "groups": [_group_fields(g) for g in batch.groups],
     }
     return save(tensors, metadata={META_KEY: dumps(meta).decode()})
+
+
+def _group_fields(g: GroupRecord) -> dict:
+    out: dict[str, Any] = {"task_id": g.task_id, "finish": [e.finish for e in g.episodes]}
+    if g.rewards is not None:
+        if len(g.rewards) != len(g.episodes):
+            raise ValueError("rewards: one per episode")
+        out["rewards"] = [float(r) for r in g.rewards]
+    return out
 
 
 def _tools_fields(batch: RolloutBatch) -> list:
@@ -415,7 +427,7 @@ def batch_bytes_bound(episodes: int, max_tokens: int, groups: int | None = None)
     """The decompressed size a batch of `episodes` episodes of at most
     `max_tokens` tokens, in `groups` groups (default: one an episode), can
     need: 13 bytes a token (int32 id, float32 log-prob and mass below, uint8
-    mask), 32 bytes an episode (its length and finish), 4 KiB a group (a task
+    mask), 64 bytes an episode (its length, finish and reward), 4 KiB a group (a task
     id of 256 characters, escaped twice) and 64 KiB for the rest of the header. What a
     run asks of its workers bounds what the trainer will inflate and parse;
     REPLY_BYTES more a token make room for a tool service's signed replies."""
@@ -514,11 +526,15 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
     groups = d["groups"]
     need(isinstance(groups, list) and groups, "groups: non-empty list")
     for g in groups:
-        need(isinstance(g, dict) and set(g) == {"task_id", "finish"}, "group fields")
+        need(isinstance(g, dict) and set(g) - {"rewards"} == {"task_id", "finish"}, "group fields")
         need(isinstance(g["task_id"], str) and 0 < len(g["task_id"]) <= 256, "task_id")
         need(isinstance(g["finish"], list) and g["finish"], "finish: a non-empty list")
         need(all(isinstance(f, str) and f in FINISHES for f in g["finish"]),
              f"finish: one of {FINISHES}")  # fmt: skip
+        rewards = g.get("rewards")
+        need(rewards is None or (isinstance(rewards, list) and len(rewards) == len(g["finish"])
+             and all(is_number(r) and abs(r) <= MAX_REWARD for r in rewards)),
+             f"rewards: one finite number per episode, at most {MAX_REWARD:g} in size")  # fmt: skip
     replies = _replies(d["tools"], groups)
     episodes = sum(len(g["finish"]) for g in groups)
     need(episodes <= MAX_EPISODES, "too many episodes")
@@ -557,7 +573,7 @@ def unpack_batch(raw: bytes, vocab: int, max_tokens: int) -> RolloutBatch:
             eps.append(EpisodeRecord(ids[i].tolist(), model[i].tolist(), probs[i].tolist(), finish,
                                      under[i].tolist()))  # fmt: skip
             i += 1
-        out.append(GroupRecord(g["task_id"], eps))
+        out.append(GroupRecord(g["task_id"], eps, g.get("rewards")))
     for group, per in zip(out, replies, strict=True):
         for ep, signed in zip(group.episodes, per, strict=True):
             ep.tools = signed

@@ -201,6 +201,7 @@ def _report(store, launch, spec: RunSpec | None, rows, versions, workers, consum
         "rollouts_dropped_stale": counts.get("batches_dropped_stale", 0),
         "rollouts_rejected": rejected,
         "groups_rejected": counts.get("groups_rejected", 0),
+        "rewards": _rewards(counts),
         "rejected_by_reason": {
             k.removeprefix(REJECTED_PREFIX): n
             for k, n in sorted(counts.items())
@@ -264,6 +265,15 @@ def _waste(workers: dict, rows: list[TrainerRow], spec) -> float | None:
     uploaded = episodes / spec.group_size
     trained = sum(r.groups for r in rows)
     return round(max(0.0, 1.0 - trained / uploaded), 4)
+
+
+def _rewards(counts: dict) -> dict:
+    """Episodes trained on whose reward the trainer recomputed, or took from a
+    trusted worker where it could not (train/trust.py), and their shares."""
+    got = {k: counts.get(f"rewards_{k}", 0) for k in ("recomputed", "trusted")}
+    total = sum(got.values())
+    return {**got, **{f"{k}_share": round(n / total, 4) if total else None
+                      for k, n in got.items()}}  # fmt: skip
 
 
 def _share(seconds: list[float], total: float) -> float | None:

@@ -185,6 +185,11 @@ def render_html(report: dict) -> str:
     headline["weight bytes synced (all workers)"] = report["sync"].get("worker_bytes_total")
     headline["rollouts unused"] = report.get("rollouts_unused")
     headline["waste fraction"] = report.get("waste_fraction")
+    rewards = report.get("rewards") or {}
+    if rewards.get("trusted"):  # an environment the trainer cannot always rescore
+        headline["rewards recomputed / trusted (share)"] = (
+            f"{rewards['recomputed_share']:.1%} / {rewards['trusted_share']:.1%}"
+        )
     facts = "".join(
         f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
         for k, v in headline.items()

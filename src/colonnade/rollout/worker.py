@@ -403,7 +403,10 @@ class Worker:
                        for e in eps]  # fmt: skip
             for record, r in zip(records, results[i * g : (i + 1) * g], strict=True):
                 record.tools = r.tools  # a tool service's signed replies
-            groups.append(GroupRecord(task.id, records))
+            # An environment the trainer cannot replay sends its rewards (train/trust.py).
+            claimed = [r.score.reward for r in results[i * g : (i + 1) * g]]
+            rewards = claimed if getattr(j.env, "worker_rewards", False) else None
+            groups.append(GroupRecord(task.id, records, rewards))
         reward = sum(r.score.reward for r in results) / len(results)
         stats = {"reward_claimed": reward, **tool_figures(results)}
         return RolloutBatch(self.id, v, self.seq, groups, stats, engine.name, slot)

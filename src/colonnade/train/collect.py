@@ -42,8 +42,10 @@ from colonnade.protocol.schemas import MAX_BATCH_BYTES, GroupRecord, RolloutBatc
 from colonnade.protocol.signing import MAGIC, SIG_BYTES, SignatureRejected, strip_unsigned, verify
 from colonnade.store import InvalidObject, NotFound, ObjectStore, ObjectTooLarge, StoreUnavailable
 
+from . import trust
 from .replies import misbound
 from .samples import Sample
+from .trust import UNTRUSTED, untrusted
 
 log = logging.getLogger("colonnade.trainer")
 
@@ -98,6 +100,9 @@ class Collector:
     counts: Counter = field(default_factory=Counter)  # named as protocol.metrics.is_count says
     per_worker: dict[str, Counter] = field(default_factory=dict)
     keyring: dict | None = None  # worker -> public key; None: signatures not required
+    # worker -> public key whose rewards the trainer takes where it cannot
+    # recompute them (train/trust.py); None: nobody's
+    trusted: dict | None = None
     # (batch) -> why its randomness is not the run's, or None (`protocol.draws`);
     # None: draws are not checked (a collector outside a run)
     check_draws: Callable[[RolloutBatch], str | None] | None = None
@@ -185,10 +190,21 @@ class Collector:
                 self.counts[f"groups_rejected_{reason}"] += 1
                 stats[f"groups_rejected_{reason}"] += 1
             return None, "rejected"
+        if (why := untrusted(samples, worker, self.trusted, self.keyring)) is not None:
+            return self._reject_group(g, worker, why, UNTRUSTED, stats)
         fresh.add(d)
+        trust.count(samples, self.counts)
         for sample in samples:
             sample.worker = worker
         return samples, None
+
+    def _reject_group(self, g: GroupRecord, worker: str, why: str, reason: str, stats):
+        self.counts["groups_rejected"] += 1
+        stats["groups_rejected"] += 1
+        self.counts[f"groups_rejected_{reason}"] += 1
+        stats[f"groups_rejected_{reason}"] += 1
+        log.warning("rejected a group of %s from %s: %s", g.task_id[:64], worker, why)
+        return None, "rejected"
 
     def _take(self, key: str, v: int, out: Collected) -> list[list[Sample]]:
         parsed = keys.parse_rollout_key(key)

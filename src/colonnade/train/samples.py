@@ -19,6 +19,7 @@ from colonnade.protocol.turns import chat_prompt, model_turns
 from colonnade.tools.served import score as score_episode
 
 from .replies import Answers, ToolRejected
+from .trust import rebuild_worker_group
 
 
 class Rejected(ValueError):
@@ -35,6 +36,7 @@ class Sample:
     behaviour_logp: list[float]  # over the generated tokens
     score: Score
     worker: str = ""  # who sent it (set by the collector from the object key)
+    reward_from: str = "recomputed"  # or "trusted": the worker's word (train/trust.py)
 
 
 def _segments(from_model: Sequence[bool]) -> list[tuple[bool, int, int]]:
@@ -100,6 +102,8 @@ def rebuild_group(
 ) -> list[Sample]:
     """All episodes of a group, or Rejected: one bad episode spoils its group
     (its advantages would be computed against a partial group)."""
+    if getattr(env, "worker_rewards", False):  # episodes of the env's own loop: no replay
+        return rebuild_worker_group(tokenizer, env, group, version, stop, max_len, train_ids)
     if group.task_id not in train_ids:
         raise Rejected(f"task {group.task_id!r} is not a training task")
     return [
