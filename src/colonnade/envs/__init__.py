@@ -3,7 +3,9 @@
 Built-ins: `searchqa` (multi-turn BM25 search, Search-R1 format),
 `searchqa2` (its two-hop questions: one search is not enough), `smoke`
 (one turn, learnable in a minute) and `rg:<dataset>`, any dataset of
-reasoning-gym (`pip install 'colonnade[tasks]'`). Users add theirs as a
+reasoning-gym (`pip install 'colonnade[tasks]'`), and `vf:<module>`, an
+environment written for verifiers, run by its own loop through an OpenAI
+client (`pip install 'colonnade[verifiers]'`). Users add theirs as a
 module exposing `load_environment(**kwargs)` and name it by import path.
 See docs/environments.md.
 """
