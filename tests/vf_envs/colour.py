@@ -8,6 +8,7 @@ from .loop import MultiTurnEnv, Rubric, last_tag
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
 SYSTEM = "Reply with the requested word inside <answer></answer>."
+UNSURE = "unsure"
 
 
 def correct(prompt, completion, answer) -> float:
@@ -30,4 +31,19 @@ def load_environment(size: int = 200, seed: int = 0) -> MultiTurnEnv:
     env = MultiTurnEnv(rows[:cut], rows[cut:], Rubric([correct, format_ok], [1.0, 0.0]), SYSTEM)
     env.local_rubric = True  # the reward follows from prompt and completion alone
     env.success_metric = "correct"
+    env.demonstration = demonstration
+    env.tokenizer_texts = lambda: tokenizer_texts(rows)
     return env
+
+
+def demonstration(task, good: bool, rng) -> list[str]:
+    """A warm start's turn, as smoke's: the word, or a refusal (a wrong
+    colour would contradict the copy rule a small model is to learn)."""
+    return [f"<answer> {task.answers[0] if good else UNSURE}</answer>"]
+
+
+def tokenizer_texts(rows) -> list[str]:
+    # As the episodes weigh them (the system prompt opens every one), so
+    # every reply is a few whole tokens under the tiny tokenizer.
+    lines = [*[SYSTEM] * len(rows), *(r["question"] for r in rows)]
+    return lines + [f"<answer> {w}</answer>" for w in (*COLOURS, UNSURE)] * 50

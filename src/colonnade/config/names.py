@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 BUILTIN_ENVS = ("searchqa", "searchqa2", "smoke")
-ENV_FAMILIES = ("rg",)  # `family:name`, e.g. rg:<dataset> of reasoning-gym
+ENV_FAMILIES = ("rg", "vf")  # `family:name`: rg:<dataset> of reasoning-gym, vf:<module>
 MODEL_PRESETS = ("tiny", "smollm2-135m")
 
 

@@ -19,7 +19,7 @@ environment of verifiers' classic shape:
 - optional: `max_turns`, `local_rubric` (True: the rubric scores from the
   prompt and completion alone, with no network, model or randomness), and
   the colonnade attributes of `envs.base.Environment` (`success_metric`,
-  `metrics`, ...).
+  `metrics`, `demonstration` for a warm start, `tokenizer_texts`, ...).
 
 On a worker (`rollout/endpoint.py`) the environment's own loop runs against an
 endpoint in the worker's process (`colonnade.serve`, `Served.episodes`)
@@ -56,7 +56,10 @@ from .base import Score, Task, check_split
 
 TEST_FRACTION = 0.2  # of `dataset` held out for test when there is no `eval_dataset`
 MAX_TURNS = 64  # an environment that names no bound (or -1)
-REQUEST_SECONDS = 600.0  # one model turn, queueing included
+# colonnade's optional attributes (envs/base.py), taken from the environment
+# where it has them: `demonstration` is called with colonnade's `Task`.
+FORWARDED = ("success_metric", "success_threshold", "metrics", "warmstart_defaults",
+             "demonstration", "tokenizer_texts")  # fmt: skip
 
 
 class Verifiers:
@@ -76,7 +79,7 @@ class Verifiers:
         turns = int(getattr(env, "max_turns", 1) or 1)
         self.max_turns = turns if turns > 0 else MAX_TURNS
         self.local_rubric = bool(getattr(env, "local_rubric", False))
-        for attr in ("success_metric", "success_threshold", "metrics", "warmstart_defaults"):
+        for attr in FORWARDED:
             if hasattr(env, attr):
                 setattr(self, attr, getattr(env, attr))
         rows = list(getattr(env, "dataset", None) or ())

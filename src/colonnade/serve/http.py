@@ -93,6 +93,9 @@ class Endpoint:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog: the standard library's 5 resets clients that
+    # connect together (a worker's environment opens one per episode).
+    request_queue_size = 1024
     endpoint: Endpoint
 
     def __init__(self, address, handler, max_connections: int) -> None:
