@@ -16,6 +16,13 @@ first search can only reveal the bridge. Each cluster also gets decoy
 documents that put the question's entity next to a look-alike of the answer
 (kavenib for kavemab), so answering from the first search is confidently
 wrong. Decoys are never an answer.
+
+Names are two syllables long (genes three letters and a number up to 40)
+up to `SMALL_NAMES` clusters; a larger corpus has four-syllable names
+(genes four letters and a number up to 99), else it would run out of
+distinct names near 2,500 clusters. Without documents (`docs=False`: an
+environment whose corpus is behind a tool service), the tasks and their
+split are those of the corpus with documents: the same draws are taken.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..base import Task
 
@@ -64,6 +71,7 @@ DRUG_SUFFIXES = ("mab", "nib", "zole", "pril", "statin", "cillin")
 DISEASE_FORMS = ("{}osis", "{}itis", "{} syndrome", "{} fever")
 PROTEIN_ENDINGS = ("in", "ine", "ase")
 HOPS = (1, 2)
+SMALL_NAMES = 1000  # clusters, at most, with two-syllable names (as this corpus always had)
 # Draws of a fresh decoy name before giving up: the name space is finite
 # (2,523 proteins), and a corpus near its size would otherwise never finish.
 DECOY_DRAWS = 10_000
@@ -74,6 +82,25 @@ FILLER = (
     "Samples were collected from three clinical centres.",
     "The effect was dose dependent in cultured cells.",
 )
+
+
+@dataclass(frozen=True)
+class Names:
+    """How long a corpus's names are."""
+
+    syllables: int  # of a protein, drug or disease stem, and of each organism word
+    gene_letters: int
+    gene_numbers: int  # genes are numbered 1 to this
+    alias_letters: int  # of the protein's name, in its alias (VE-12 for velorin)
+    alias_numbers: int  # aliases are numbered 2 to this
+
+
+SMALL = Names(syllables=2, gene_letters=3, gene_numbers=40, alias_letters=2, alias_numbers=99)
+LARGE = Names(syllables=4, gene_letters=4, gene_numbers=99, alias_letters=3, alias_numbers=999)
+
+
+def names_for(n_clusters: int) -> Names:
+    return SMALL if n_clusters <= SMALL_NAMES else LARGE
 
 
 @dataclass(frozen=True)
@@ -92,21 +119,26 @@ def _word(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(SYLLABLES) for _ in range(n))
 
 
-def _cluster(rng: random.Random) -> Cluster:
-    gene = "".join(rng.choice(GENE_LETTERS) for _ in range(3)) + str(rng.randint(1, 40))
-    protein = _word(rng, 2) + rng.choice(PROTEIN_ENDINGS)
-    stem = _word(rng, 2)
+def _gene(rng: random.Random, n: Names) -> str:
+    letters = "".join(rng.choice(GENE_LETTERS) for _ in range(n.gene_letters))
+    return letters + str(rng.randint(1, n.gene_numbers))
+
+
+def _cluster(rng: random.Random, n: Names = SMALL) -> Cluster:
+    gene = _gene(rng, n)
+    protein = _word(rng, n.syllables) + rng.choice(PROTEIN_ENDINGS)
+    stem = _word(rng, n.syllables)
     form = rng.choice(DISEASE_FORMS)
     disease = form.format(stem)
     # "X syndrome" is also called "X disease"; other forms keep one name.
     disease_alias = f"{stem} disease" if form == "{} syndrome" else disease
-    genus, species = _word(rng, 2).capitalize(), _word(rng, 2)
+    genus, species = _word(rng, n.syllables).capitalize(), _word(rng, n.syllables)
     return Cluster(
         gene=gene,
         protein=protein,
         # An alias unrelated to the gene's name: no shortcut from the question.
-        protein_alias=f"{protein[:2].upper()}-{rng.randint(2, 99)}",
-        drug=_word(rng, 2) + rng.choice(DRUG_SUFFIXES),
+        protein_alias=f"{protein[: n.alias_letters].upper()}-{rng.randint(2, n.alias_numbers)}",
+        drug=_word(rng, n.syllables) + rng.choice(DRUG_SUFFIXES),
         disease=disease,
         disease_alias=disease_alias,
         organism=f"{genus}{rng.choice(('us', 'a'))} {species}{rng.choice(('is', 'ae'))}",
@@ -123,9 +155,9 @@ def make_clusters(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> l
     """n clusters whose entity names are all distinct (across clusters too) and
     none of them in `exclude`."""
     rng = random.Random(seed)
-    clusters, used = [], set(exclude)
+    clusters, used, size = [], set(exclude), names_for(n)
     while len(clusters) < n:
-        c = _cluster(rng)
+        c = _cluster(rng, size)
         names = cluster_names(c)
         if len(names) >= 6 and not names & used:
             used |= names
@@ -133,9 +165,17 @@ def make_clusters(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> l
     return clusters
 
 
+FACTS = 6  # documents a cluster has, each with a filler sentence drawn in order
+
+
+def fillers(rng: random.Random) -> list[str]:
+    """The filler sentences of one cluster's documents: the draws `documents` takes."""
+    return [rng.choice(FILLER) for _ in range(FACTS)]
+
+
 def documents(c: Cluster, rng: random.Random) -> list[str]:
     """The cluster's fact documents, then its distractors (no answer in them)."""
-    f = lambda: rng.choice(FILLER)  # noqa: E731
+    f = iter(fillers(rng)).__next__
     return [
         f"The {c.organism} gene {c.gene} encodes {c.protein} (also called {c.protein_alias}), "
         f"a protein found mainly in the {c.tissue}. {f()}",
@@ -197,9 +237,9 @@ def _swap_ending(name: str, endings: Sequence[str], rng: random.Random) -> str:
     return name[: len(name) - len(ending)] + rng.choice([e for e in endings if e != ending])
 
 
-def _decoy_candidates(c: Cluster, rng: random.Random) -> Decoys:
+def _decoy_candidates(c: Cluster, rng: random.Random, n: Names) -> Decoys:
     """Look-alikes first; the gene's letters rotated (KVR12 -> VRK12)."""
-    letters, number = c.gene[:3], c.gene[3:]
+    letters, number = c.gene[: n.gene_letters], c.gene[n.gene_letters :]
     forms = [f.format("") for f in DISEASE_FORMS]
     stem = c.disease.removesuffix(next(f for f in forms if c.disease.endswith(f)))
     return Decoys(
@@ -213,15 +253,15 @@ def _decoy_candidates(c: Cluster, rng: random.Random) -> Decoys:
     )
 
 
-def _fresh(kind: str, rng: random.Random) -> str:
+def _fresh(kind: str, rng: random.Random, n: Names) -> str:
     """A new name of `kind`'s shape, for when the look-alike is taken."""
     if kind == "gene":
-        return "".join(rng.choice(GENE_LETTERS) for _ in range(3)) + str(rng.randint(1, 40))
+        return _gene(rng, n)
     if kind == "protein":
-        return _word(rng, 2) + rng.choice(PROTEIN_ENDINGS)
+        return _word(rng, n.syllables) + rng.choice(PROTEIN_ENDINGS)
     if kind == "drug":
-        return _word(rng, 2) + rng.choice(DRUG_SUFFIXES)
-    return rng.choice(DISEASE_FORMS).format(_word(rng, 2))
+        return _word(rng, n.syllables) + rng.choice(DRUG_SUFFIXES)
+    return rng.choice(DISEASE_FORMS).format(_word(rng, n.syllables))
 
 
 def make_decoys(clusters: Sequence[Cluster], seed: int, taken: frozenset[str]) -> list[Decoys]:
@@ -231,14 +271,14 @@ def make_decoys(clusters: Sequence[Cluster], seed: int, taken: frozenset[str]) -
     would make the decoy document an answer document.
     """
     rng = random.Random(f"searchqa-decoys-{seed}")
-    used, out = set(taken), []
+    used, out, size = set(taken), [], names_for(len(clusters))
     for c in clusters:
         picked = {}
-        for kind, name in vars(_decoy_candidates(c, rng)).items():
+        for kind, name in vars(_decoy_candidates(c, rng, size)).items():
             for _ in range(DECOY_DRAWS):
                 if name.lower() not in used:
                     break
-                name = _fresh(kind, rng)
+                name = _fresh(kind, rng, size)
             else:
                 raise ValueError(f"no free {kind} name for a decoy: use fewer clusters")
             used.add(name.lower())
@@ -308,10 +348,10 @@ def find_name(text: str, name: str) -> str | None:
 
 @dataclass(frozen=True)
 class Corpus:
-    docs: list[str]
+    docs: list[str]  # [] where the documents are a tool service's (`docs=False`)
     train: list[Task]
     test: list[Task]
-    names: frozenset[str]  # every entity name, lowercase
+    names: frozenset[str] = field(repr=False)  # every entity name, lowercase
 
 
 def build_corpus(
@@ -320,10 +360,12 @@ def build_corpus(
     seed: int = 0,
     exclude: frozenset[str] = frozenset(),
     hops: int = 1,
+    docs: bool = True,
 ) -> Corpus:
     """Documents (shuffled) and questions split by cluster; no name in `exclude`.
 
     `hops=2`: the two-hop questions, over the same fact documents plus decoys.
+    `docs=False`: the same questions and split, no documents.
     """
     if n_clusters < 2 or not 0 < test_fraction < 1:
         raise ValueError("need at least 2 clusters and 0 < test_fraction < 1")
@@ -331,22 +373,24 @@ def build_corpus(
         raise ValueError(f"hops must be one of {HOPS}, not {hops!r}")
     rng = random.Random(seed + 1)
     clusters = make_clusters(n_clusters, seed, exclude)
-    docs = [d for c in clusters for d in documents(c, rng)]
+    # Without documents, their draws are taken all the same: the split below
+    # comes from the same generator.
+    texts = [d for c in clusters for d in (documents(c, rng) if docs else fillers(rng))]
     names = frozenset(n for c in clusters for n in cluster_names(c))
     ask = questions
     if hops == 2:
         decoys = make_decoys(clusters, seed, names | exclude)
         drng = random.Random(f"searchqa-decoy-docs-{seed}")
-        docs += [
+        texts += [
             x for c, d in zip(clusters, decoys, strict=True) for x in decoy_documents(c, d, drng)
         ]
         names = names.union(*(d.names() for d in decoys))
         ask = lambda c, i: multihop_questions(c, decoys[i], i)  # noqa: E731
-    rng.shuffle(docs)
+    rng.shuffle(texts)
     order = list(range(n_clusters))
     rng.shuffle(order)
     n_test = max(1, round(n_clusters * test_fraction))
     test_ids = set(order[:n_test])
     train = [t for i, c in enumerate(clusters) if i not in test_ids for t in ask(c, i)]
     test = [t for i, c in enumerate(clusters) if i in test_ids for t in ask(c, i)]
-    return Corpus(docs, train, test, names)
+    return Corpus(texts if docs else [], train, test, names)

@@ -11,6 +11,15 @@ output never raises.
 kind of corpus (corpus.py): the first search reveals a bridge entity and a
 decoy, the second, about the bridge, the answer. Same format, reward and
 metrics; three turns at least.
+
+`service=URL` (with `service_key`, the hex key that signs its replies):
+the corpus is behind a tool service (`colonnade tools serve --env searchqa`
+with the same corpus arguments) and this environment holds none of it:
+only the questions. A search is the service's: on a worker, signed for its
+episode (tools/served.py), and checked by the trainer instead of replayed;
+elsewhere (eval, warm-start demos) a plain call. The service answers a query
+with its documents (`tool_result`); the reply text is made here from them
+(`tool_reply`), so both sides format it alike.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from colonnade.tools.client import ToolClient
+from colonnade.tools.signed import Call, public_key
 
 from ..answers import exact_match, last_tag, normalize
 from ..base import Metric, Score, Task, check_split
@@ -67,6 +79,8 @@ class SearchQA:
         seed: int,
         exclude: frozenset[str] = frozenset(),
         hops: int = 1,
+        service: str = "",
+        service_key: str = "",
     ):
         if top_k < 1 or max_turns < 1:
             raise ValueError("top_k and max_turns must be at least 1")
@@ -81,8 +95,13 @@ class SearchQA:
             self.name = f"searchqa{hops}"
         self.system = SYSTEM if hops == 1 else SYSTEM + MULTIHOP_HINT
         self._corpus_shape = (n_clusters, test_fraction)
-        self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude, hops)
-        self.index = BM25Index(self.corpus.docs)
+        self.service, self.service_key = service, service_key
+        local = not service
+        self.corpus = build_corpus(n_clusters, test_fraction, seed, exclude, hops, docs=local)
+        self.index = BM25Index(self.corpus.docs) if local else None
+        # Plain calls, where no episode of a run asks (a worker's are signed
+        # for their episode: rollout/episodes.py).
+        self._client = None if local else ToolClient(service, public_key(service_key))
         self.top_k, self.max_turns = top_k, max_turns
         self._by_id = {t.id: t for t in (*self.corpus.train, *self.corpus.test)}
         self._search = functools.lru_cache(maxsize=65536)(self._search_uncached)
@@ -117,23 +136,47 @@ class SearchQA:
         ]
 
     def _search_uncached(self, query: str) -> tuple[str, ...]:
+        if self.index is None:
+            return self._docs(self._client.call(Call("", "", "", 0, query)).result)
         return tuple(self.index.search(query, self.top_k))
 
-    def information(self, query: str) -> str:
-        docs = self._search(query)
+    def _docs(self, result: Any) -> tuple[str, ...]:
+        """The documents of a service's result: its first `top_k` strings."""
+        docs = [d for d in result if isinstance(d, str)] if isinstance(result, list) else []
+        return tuple(docs[: self.top_k])
+
+    @staticmethod
+    def _information(docs: Sequence[str]) -> str:
         body = "\n".join(f"Doc {i + 1}: {d}" for i, d in enumerate(docs)) or "No results."
         return f"\n<information>\n{body}\n</information>\n"
 
-    def respond(self, task: Task, turns: Sequence[str]) -> str | None:
+    def information(self, query: str) -> str:
+        return self._information(self._search(query))
+
+    def tool_query(self, task: Task, turns: Sequence[str]) -> str | None:
+        """The search the newest turn asks for, or None: the episode ends."""
         turn = turns[-1]
         if last_tag(turn, "answer") is not None:
             return None
         query = last_tag(turn, "search")
         if not query or len(turns) >= self.max_turns:
             return None
-        return self.information(query)
+        return query
 
-    def score(self, task: Task, turns: Sequence[str]) -> Score:
+    def tool_result(self, query: str) -> list[str]:
+        """The top-k documents for `query`: what a tool service of this corpus answers."""
+        return list(self._search(query))
+
+    def tool_reply(self, task: Task, turns: Sequence[str], result: Any) -> str:
+        return self._information(self._docs(result))
+
+    def respond(self, task: Task, turns: Sequence[str]) -> str | None:
+        query = self.tool_query(task, turns)
+        return None if query is None else self.information(query)
+
+    def score(self, task: Task, turns: Sequence[str], results: Sequence | None = None) -> Score:
+        """`results`: the service's results of the episode's searches, in order
+        (a served environment's, checked by the trainer); None: search here."""
         queries = [last_tag(t, "search") for t in turns[:-1]]
         answer = last_tag(turns[-1], "answer") if turns else None
         format_ok = (
@@ -144,11 +187,11 @@ class SearchQA:
         )
         correct = format_ok and exact_match(answer or "", task.answers)
         wanted = [normalize(a) for a in task.answers]
-        found = any(
-            any(w in normalize(doc) for w in wanted for doc in self._search(q))
-            for q in queries
-            if q
-        )
+        if results is None:
+            shown = [self._search(q) for q in queries if q]
+        else:
+            shown = [self._docs(r) for r in results]
+        found = any(w in normalize(doc) for docs in shown for doc in docs for w in wanted)
         metrics = {
             "correct": float(correct),
             "searched": float(any(queries)),

@@ -13,6 +13,18 @@ def load_environment(
     top_k: int = 3,
     max_turns: int = 3,
     seed: int = 0,
+    service: str = "",
+    service_key: str = "",
 ) -> SearchQA:
-    """Three turns: the two searches and the answer (see docs/environments.md on budgets)."""
-    return SearchQA(n_clusters, test_fraction, top_k, max_turns, seed, hops=2)
+    """Three turns: the two searches and the answer (see docs/environments.md on budgets);
+    `service` and `service_key` as for searchqa."""
+    return SearchQA(
+        n_clusters,
+        test_fraction,
+        top_k,
+        max_turns,
+        seed,
+        hops=2,
+        service=service,
+        service_key=service_key,
+    )
