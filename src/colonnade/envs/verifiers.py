@@ -36,8 +36,9 @@ trusts (train/trust.py, docs/security.md).
 verifiers 0.4.0 itself (its `verifiers.v1` stack) runs an episode through a
 harness program that installs its dependencies with `uv` at launch, in a
 runtime behind its interception server; that cannot run offline or inside a
-worker's engine, so this adapter takes the classic shape above, which a
-`verifiers.v1` taskset can be wrapped into (docs/environments.md).
+worker's engine, so this adapter takes the classic shape above. A
+`load_environment` that returns a `verifiers.v1` taskset is taken into that
+shape (`verifiers_v1.py`: one turn, the task's own scoring).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .base import Score, Task, check_split
+from .verifiers_v1 import TasksetEnv, is_taskset
 
 TEST_FRACTION = 0.2  # of `dataset` held out for test when there is no `eval_dataset`
 MAX_TURNS = 64  # an environment that names no bound (or -1)
@@ -213,6 +215,8 @@ def load_environment(name: str, **kwargs) -> Verifiers:
         raise ValueError(f"module {module_name} has no load_environment(**kwargs)")
     _bind(loader, f"vf:{name}", kwargs)
     env = loader(**kwargs)
+    if is_taskset(env):  # verifiers' v1 stack: colonnade plays its harness
+        env = TasksetEnv(env)
     missing = [a for a in ("dataset", "rollout", "rubric") if not hasattr(env, a)]
     if missing:
         raise ValueError(f"vf:{name}: load_environment() returned an object lacking {missing}")
