@@ -52,6 +52,9 @@ class Measure:
         vowels = sum(r["vowels"] for r in results)
         return Score(float(vowels % 2), {"replies": float(len(results)), "vowels": float(vowels)})
 
+    def tokenizer_texts(self):
+        return [SYSTEM, *(t.question for t in self._tasks), "[6 characters, 3 vowels]"] * 20
+
 
 def load_environment(service: str = "", service_key: str = "", max_turns: int = 3,
                      n_tasks: int = 8) -> Measure:  # fmt: skip
