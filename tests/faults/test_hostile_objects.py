@@ -245,8 +245,8 @@ def _hostile_batches() -> dict[str, tuple[bytes, str]]:
         "nested metadata": (forge({"x": _nested(1, 200)}, t), "schema"),
         "a pickle": (compress(b"\x80\x04\x95" + raw), "schema"),
         "header cut short": (compress(raw[: 8 + n // 2]), "schema"),
-        "protocol 9": (forge({**fields, "protocol": 9}, t), "protocol"),
-        "protocol 7 (the last release)": (forge({**fields, "protocol": 7}, t), "protocol"),
+        "protocol 10": (forge({**fields, "protocol": 10}, t), "protocol"),
+        "protocol 8 (the last release)": (forge({**fields, "protocol": 8}, t), "protocol"),
         "protocol 5 (PULSE format 2)": (forge({**fields, "protocol": 5}, t), "protocol"),
         "a JSON batch (protocol 2)": (compress(json.dumps(json_batch).encode()), "protocol"),
     }
