@@ -109,7 +109,9 @@ def _json_bound(episodes: int, max_tokens: int) -> int:
 def _encode_json(batch: RolloutBatch) -> bytes:
     doc = asdict(batch)
     for g in doc["groups"]:
+        g.pop("rewards")  # fields of later protocols: protocol 2 had none
         for e in g["episodes"]:
+            e.pop("tools")
             e["from_model"] = "".join("1" if b else "0" for b in e["from_model"])
     return zstandard.ZstdCompressor(level=3).compress(dumps(doc))
 
