@@ -204,3 +204,15 @@ def test_replies_moved_or_dropped_are_refused(tiny, tmp_path, honest):
     # The honest batch itself trains whole.
     groups, counts = _collect(tmp_path / "3", tok, env, batch)
     assert len(groups) == len(batch.groups) and counts["groups_rejected"] == 0
+
+
+def test_a_workers_row_counts_the_episodes_its_tool_service_failed(honest):
+    from colonnade.protocol.metrics import WorkerRow
+    from colonnade.rollout.tally import Tally
+
+    _, batch, _ = honest
+    tally = Tally()
+    tally.counts["tool_failures"] += 2
+    row = tally.row(batch, 1.0, None)
+    assert WorkerRow.from_dict(row.to_dict()).tool_failures == 2
+    assert tally.row(batch, 1.0, None).tool_failures == 0  # since the previous row

@@ -135,6 +135,7 @@ class WorkerRow:
     load_seconds: float = 0.0  # changed tensors into the engine (generation stalls)
     paced_seconds: float = 0.0  # idle: the demand had no slot for the version it runs
     unverified: int = 0  # documents read that the trainer did not sign (ignored)
+    tool_failures: int = 0  # episodes ended because their tool service gave no reply
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

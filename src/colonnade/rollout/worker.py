@@ -409,6 +409,7 @@ class Worker:
             groups.append(GroupRecord(task.id, records, rewards))
         reward = sum(r.score.reward for r in results) / len(results)
         stats = {"reward_claimed": reward, **tool_figures(results)}
+        self.tally.counts["tool_failures"] += sum(bool(r.tool_failed) for r in results)
         return RolloutBatch(self.id, v, self.seq, groups, stats, engine.name, slot)
 
     def upload(self, batch: RolloutBatch) -> str:
