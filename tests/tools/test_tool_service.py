@@ -147,3 +147,27 @@ def test_colonnade_tools_serve_refuses_bad_input_in_one_line(tmp_path, capsys):
     args = ["tools", "serve", "--env", "searchqa", "--env-arg", "service=http://x", "--key", "k"]
     assert main(args) == 2
     assert "answers its tool itself" in capsys.readouterr().err
+
+
+def test_a_service_that_answers_garbage_or_hangs_up_is_unavailable():
+    import threading
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+
+        def serve(answers):
+            for answer in answers:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(answer)
+
+        answers = [b"garbage\r\n\r\n", b"", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"]
+        threading.Thread(target=serve, args=(answers,), daemon=True).start()
+        client = ToolClient(f"http://127.0.0.1:{port}", None, Retry(tries=3, timeout=2.0,
+                            first_wait=0.01))  # fmt: skip
+        with pytest.raises(ToolFailed) as e:
+            client.call(_call())
+    assert e.value.reason == "unavailable" and client.retries == 2

@@ -12,6 +12,7 @@ would get the same.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
@@ -96,13 +97,15 @@ class ToolClient:
         try:
             with urllib.request.urlopen(req, timeout=self.retry.timeout) as resp:
                 data = resp.read(MAX_REPLY_BYTES + 1)
+                if resp.length and len(data) <= MAX_REPLY_BYTES:  # closed before its length
+                    raise ToolFailed("unavailable", f"a reply cut short after {len(data)} bytes")
         except urllib.error.HTTPError as e:
             detail = _detail(e)
             if 400 <= e.code < 500 and e.code not in (408, 429):
                 raise ToolFailed("refused", f"HTTP {e.code}: {detail}") from None
             raise ToolFailed("unavailable", f"HTTP {e.code}: {detail}") from None
-        except (OSError, urllib.error.URLError) as e:  # refused, reset, timed out
-            raise ToolFailed("unavailable", str(getattr(e, "reason", e))[:200]) from None
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut
+            raise ToolFailed("unavailable", str(getattr(e, "reason", e))[:200] or repr(e)) from None
         if len(data) > MAX_REPLY_BYTES:
             raise ToolFailed("refused", f"a reply of more than {MAX_REPLY_BYTES} bytes")
         return data
