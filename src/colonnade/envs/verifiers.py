@@ -91,6 +91,7 @@ class Verifiers:
             rows, held = rows[:cut], rows[cut:]
         self._rows: dict[str, Mapping] = {}
         self._split = {"train": self._tasks(rows, "train"), "test": self._tasks(held, "test")}
+        self._by_id = {t.id: t for s in self._split.values() for t in s}
         if not self._split["train"] or not self._split["test"]:
             raise ValueError(f"{self.name}: no tasks for train or test")
 
@@ -125,9 +126,7 @@ class Verifiers:
         return self._split[check_split(split)]
 
     def task(self, task_id: str) -> Task:
-        if task_id not in self._rows:
-            raise KeyError(task_id)
-        return next(t for s in self._split.values() for t in s if t.id == task_id)
+        return self._by_id[task_id]
 
     def prompt(self, task: Task) -> list[dict[str, str]]:
         return [dict(m) for m in self._rows[task.id]["prompt"]]
@@ -179,6 +178,8 @@ def as_score(got: Any) -> Score:
         return Score(float(got), {})
     reward = got["reward"] if isinstance(got, Mapping) else got.reward
     metrics = got.get("metrics") if isinstance(got, Mapping) else getattr(got, "metrics", None)
+    if not math.isfinite(float(reward)):  # a batch could not carry it
+        raise ValueError(f"the rubric's reward {reward!r} is not a finite number")
     return Score(float(reward), {str(k): float(v) for k, v in (metrics or {}).items()})
 
 
