@@ -12,6 +12,8 @@ Layout of the package, bottom up:
 - `loop.py`: `Engine`, the backend-free episode loop (turns, stop strings,
   refill from waiting groups, shared prefills, tool replies, records);
 - `torch_backend.py`, `mlx_backend.py`: one module per backend;
+- `stages.py`: a model cut into pipeline stages (a stage's layers, its
+  tensors, its cache), composed in one process as a backend;
 - `loader.py`: `BACKENDS`, the one list of backends, and the one way a
   published state becomes an engine (`engine_for`, `load_engine`).
 

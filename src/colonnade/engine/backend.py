@@ -32,6 +32,11 @@ a sliding-window layer narrows it with `Layout.windowed` (windows count
 real tokens, not columns), so no column is ever dropped from a layer and
 rows of any model can be cut, copied and joined.
 
+A backend whose logits live elsewhere (a pipeline, whose last stage is
+another process) also provides `sample(cache, block, layout, params,
+draws)`, returning the `sampling.Draw` its last stage made with the run's
+rule; the session calls it in place of `forward` and `sampling.sample`.
+
 A new backend passes `tests/engine/test_backends.py` (the same episodes,
 log-probs against teacher forcing, refill and compaction) by adding itself
 to that suite's list. A backend that manages its own cache (a server that

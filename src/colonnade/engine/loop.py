@@ -31,7 +31,7 @@ from colonnade.protocol.draws import uniforms
 from colonnade.protocol.turns import StopMatcher
 
 from .backend import Backend
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .session import Session
 
 # turn text (up to its stop string) -> environment text to append, or None to end
@@ -309,7 +309,7 @@ class Engine:
             if split_replies:
                 _split_replies(session, live)
             draws = np.array([r.draw() for r in live])
-            got = sample(session.step([r.pending for r in live]), params, draws)
+            got = session.sample([r.pending for r in live], params, draws)
             for i, row in enumerate(live):
                 taken = (int(got.tokens[i]), float(got.logprobs[i]), float(got.below[i]))
                 if not self._advance(row, *taken):

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from .backend import Backend
-from .layout import Layout
+from .layout import Block, Layout
+from .sampling import Draw, SamplingParams, sample
 
 
 class Session:
@@ -30,11 +31,24 @@ class Session:
 
     def step(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Next-token logits [B, V] after feeding each row its chunk."""
+        return self.backend.forward(self.cache, self._block(chunks), self.layout)
+
+    def sample(
+        self, chunks: Sequence[Sequence[int]], params: SamplingParams, draws: np.ndarray
+    ) -> Draw:
+        """Each row's next token after feeding it its chunk (`sampling.sample`).
+        A backend whose logits are elsewhere (a pipeline's last stage, in
+        another process) samples there, by its own `sample`."""
+        own = getattr(self.backend, "sample", None)
+        if own is None:
+            return sample(self.step(chunks), params, draws)
+        return own(self.cache, self._block(chunks), self.layout, params, draws)
+
+    def _block(self, chunks: Sequence[Sequence[int]]) -> Block:
         index = self.layout.compact()
         if index is not None:
             self.cache.gather(index)
-        block = self.layout.block(chunks, self.pad_id)
-        return self.backend.forward(self.cache, block, self.layout)
+        return self.layout.block(chunks, self.pad_id)
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows (indices into the rows, possibly repeated) go on."""

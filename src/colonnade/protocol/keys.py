@@ -26,6 +26,7 @@ belongs to one worker, so that a per-worker prefix policy can be written:
 | {worker}/rollouts/{v:08d}/{seq:06d}.safetensors.zst | worker (signed) |
 | {worker}/heartbeat.json                    | worker         |
 | {worker}/metrics/{seg:06d}.jsonl           | worker         |
+| {worker}/stages/{batch:08d}/{stream:03d}/{seq:08d}.safetensors | pipeline stage (transient) |
 
 Claims are the one shared folder: a slot is one key that two workers race
 for with put-if-absent. Every key is built, and every listed key parsed,
@@ -74,6 +75,9 @@ INBOX = "inbox/"  # the inbox's prefix in the run store, when it has no bucket o
 # Inbox folders: the shared claims, and under each worker its own.
 CLAIMS = "claims/"
 ROLLOUTS = "rollouts/"
+STAGES = "stages/"  # a pipeline stage's messages to the next stage (rollout/pipeline.py)
+MAX_STREAM = 999  # micro-batches of one pipeline batch: three digits
+MAX_STEP = 99_999_999  # steps of one micro-batch: eight digits
 MAX_SLOT = 999_999  # claim slots of one version: six digits
 MAX_SEQ = 999_999  # a worker's batches of one version: six digits
 # Not worker ids: the inbox's shared folder is named so.
@@ -86,6 +90,7 @@ _WORKER_ID = re.compile(_ID)
 _ROLLOUT = re.compile(rf"({_ID})/rollouts/([0-9]{{8}})/([0-9]{{6}})\.safetensors\.zst")
 _CLAIM = re.compile(r"claims/([0-9]{8})/([0-9]{6})\.json")
 _HEARTBEAT = re.compile(rf"({_ID})/heartbeat\.json")
+_STAGE = re.compile(rf"({_ID})/stages/([0-9]{{8}})/([0-9]{{3}})/([0-9]{{8}})\.safetensors")
 _WORKER_METRICS = re.compile(rf"({_ID})/metrics/([0-9]{{6}})\.jsonl")
 _WEIGHTS = re.compile(r"weights/([0-9]{8})/.+", re.DOTALL)
 _META = re.compile(r"weights/([0-9]{8})/meta\.json")
@@ -245,6 +250,27 @@ def parse_worker_segment(key: str) -> tuple[str, int] | None:
     return (m[1], int(m[2])) if m and m[1] not in RESERVED_IDS else None
 
 
+def stage_dir(worker: str) -> str:
+    """A pipeline stage's messages, every batch's."""
+    return f"{worker_dir(worker)}{STAGES}"
+
+
+def stage_key(worker: str, batch: int, stream: int, seq: int) -> str:
+    """Stage `worker`'s message of step `seq` of micro-batch `stream` of its
+    group's batch `batch`, to the next stage (the last stage's: to the first)."""
+    if not (0 <= batch <= MAX_STEP and 0 <= stream <= MAX_STREAM and 0 <= seq <= MAX_STEP):
+        raise ValueError(f"stage message {batch}/{stream}/{seq}: out of range")
+    return f"{stage_dir(worker)}{batch:08d}/{stream:03d}/{seq:08d}.safetensors"
+
+
+def parse_stage_key(key: str) -> tuple[str, int, int, int] | None:
+    """(worker, batch, stream, seq) of a stage message key, None for anything else."""
+    m = _STAGE.fullmatch(key) if isinstance(key, str) else None
+    if not m or m[1] in RESERVED_IDS:
+        return None
+    return m[1], int(m[2]), int(m[3]), int(m[4])
+
+
 def inbox_owner(key: str) -> str | None:
     """The worker a well-formed inbox key belongs to ("" for a claim, which is
     shared); None for a key that is no inbox key of ours."""
@@ -254,4 +280,6 @@ def inbox_owner(key: str) -> str | None:
         return rollout[1]
     if (segment := parse_worker_segment(key)) is not None:
         return segment[0]
+    if (message := parse_stage_key(key)) is not None:
+        return message[0]
     return parse_heartbeat_key(key)

@@ -1,0 +1,458 @@
+"""Rollouts from a pipeline of stage-workers, through the run's object store.
+
+A model too big for one worker runs as a group of N stage-workers
+(`engine/stages.py`: stage K holds a contiguous slice of the layers and
+their KV cache). Who does what:
+
+- the first stage (`Front`) runs the episode loop itself (`engine.Engine`,
+  unchanged: turns, stop strings, tool replies, refill, shared prefills) over
+  one `FrontStream` backend per micro-batch. Each stream's cache is its own
+  stage's cache plus a journal: every cut the session makes (`Cache`: rows
+  copied, written, appended, joined, gathered; caches made and dropped) is
+  done on its own layers at once and recorded, and travels with the next
+  step, so each later stage replays the same cuts on its own layers in the
+  same order. A step runs the first stage's layers and puts a `Step`
+  message for stage 2; the stream's thread then waits for the last stage's
+  `Sampled` reply, while the other streams' steps run: with M micro-batches
+  in flight the stages work on different micro-batches at once;
+- a later stage (`StageServer`) lists the previous stage's messages, takes
+  each stream's next step in order, replays its cuts, runs its layers and
+  puts the hidden states for the next stage; the last stage samples with the
+  run's rule (`engine.sampling.sample`, the draws computed by the first
+  stage from the rows' keys, `protocol.draws`) and puts the tokens, their
+  log-probs and masses below, for the first stage.
+
+Messages (`protocol/stages.py`) are inbox objects under the writer's own
+prefix (`protocol.keys.stage_key`): `{worker}/stages/{batch}/{stream}/{seq}`.
+Each is read once, checked as a stranger's object (bounds, dtypes, shapes,
+finite values, and bound to the run, group, stage, batch, stream and step
+the reader expects), and deleted by its writer once it is known read: a
+stage's message of step n is read once the next step of its stream (n + 1)
+reaches it, since the first stage sends a step only after the previous
+step's reply came back through every stage. A batch number changes with
+every `Front.generate`: a later stage drops older batches' caches and
+deletes its messages of them.
+
+A stage that dies loses the micro-batches in flight: the first stage's wait
+runs out (`StageTimeout`) and the batch is not made; a claim lapses as for
+any worker that stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from colonnade.engine.layout import Block, Layout
+from colonnade.engine.loop import Engine, Episode, Responder, units
+from colonnade.engine.sampling import Draw, SamplingParams, sample
+from colonnade.engine.stages import StageBackend
+from colonnade.engine.torch_backend import TorchCache
+from colonnade.protocol import keys
+from colonnade.protocol.stages import (
+    Binding,
+    Op,
+    Sampled,
+    Step,
+    pack_sampled,
+    pack_step,
+    unpack_sampled,
+    unpack_step,
+)
+from colonnade.store import NotFound, ObjectStore
+from colonnade.untrusted import SchemaError
+
+log = logging.getLogger("colonnade.pipeline")
+
+POLL_S = 0.002  # between looks for an awaited message (a slow store paces itself)
+TIMEOUT_S = 120.0  # a stage silent this long is taken for dead
+
+
+class StageTimeout(RuntimeError):
+    """A stage did not answer in time: the micro-batches in flight are lost."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A pipeline group as every stage knows it: the run, the group's name,
+    and its stage-workers' ids in stage order."""
+
+    run: str
+    name: str
+    workers: tuple[str, ...]
+
+    def binding(self, stage: int, batch: int, stream: int, seq: int) -> Binding:
+        return Binding(self.run, self.name, stage, batch, stream, seq)
+
+
+def _wait(store: ObjectStore, key: str, timeout: float, poll: float, what: str) -> bytes:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return store.get(key)
+        except NotFound:
+            if time.monotonic() > deadline:
+                raise StageTimeout(f"no {what} in {timeout:g} s ({key})") from None
+            time.sleep(poll)
+
+
+def _delete(store: ObjectStore, key: str) -> None:
+    with contextlib.suppress(NotFound):
+        store.delete(key)
+
+
+class Journal:
+    """One stream's cache cuts since its last step, in order; cache ids."""
+
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+
+    def add(self, op: Op) -> None:
+        with self.lock:
+            self.ops.append(op)
+
+    def take(self) -> list[Op]:
+        with self.lock:
+            ops, self.ops = self.ops, []
+        return ops
+
+
+class FrontCache:
+    """`backend.Cache` of the first stage: its own layers' cache, every cut
+    also journaled for the later stages (`Op`s on this cache's id)."""
+
+    def __init__(self, local: TorchCache, journal: Journal, made: Op | None = None, rows: int = 0):
+        self.local, self.journal = local, journal
+        self.id = next(journal.ids)
+        if made is not None:  # copied from another cache
+            made.other = self.id
+            journal.add(made)
+        else:
+            journal.add(Op("new", self.id, -1, rows))
+        # The later stages drop their copy once this one is gone.
+        weakref.finalize(self, journal.add, Op("free", self.id))
+
+    @property
+    def empty(self) -> bool:
+        return self.local.empty
+
+    def rows(self, index: np.ndarray, drop: int) -> FrontCache:
+        copied = self.local.rows(index, drop)
+        return FrontCache(copied, self.journal, Op("rows", self.id, -1, drop, 0, index.copy()))
+
+    def select(self, index: np.ndarray, drop: int) -> None:
+        self.local.select(index, drop)
+        self.journal.add(Op("select", self.id, -1, drop, 0, index.copy()))
+
+    def write(self, slots: np.ndarray, other: FrontCache, start: int) -> None:
+        self.local.write(slots, other.local, start)
+        self.journal.add(Op("write", self.id, other.id, start, 0, slots.copy()))
+
+    def append(self, rows: np.ndarray, other: FrontCache, width: int) -> None:
+        self.local.append(rows, other.local, width)
+        self.journal.add(Op("append", self.id, other.id, width, 0, rows.copy()))
+
+    def join(self, other: FrontCache, pad_self: int, pad_other: int) -> None:
+        self.local.join(other.local, pad_self, pad_other)
+        self.journal.add(Op("join", self.id, other.id, pad_self, pad_other))
+
+    def gather(self, index: np.ndarray) -> None:
+        self.local.gather(index)
+        self.journal.add(Op("gather", self.id, -1, 0, 0, index.copy()))
+
+
+class FrontStream:
+    """`backend.Backend` of one micro-batch at the first stage: its layers
+    here, the rest down the line; `sample` is where the tokens come back."""
+
+    name = "torch"
+
+    def __init__(self, front: Front, batch: int, stream: int):
+        self.front, self.batch, self.stream = front, batch, stream
+        self.journal = Journal()
+        self.seq = 0
+
+    def new_cache(self, batch: int) -> FrontCache:
+        return FrontCache(self.front.stage.new_cache(batch), self.journal, rows=batch)
+
+    def forward(self, cache: FrontCache, block: Block, layout: Layout) -> torch.Tensor:
+        """The step through every stage; its logits stay at the last stage
+        (what samples is `sample`): [B, 0]."""
+        self._step(cache, block, layout, None, None)
+        return torch.empty(block.ids.shape[0], 0)
+
+    def sample(
+        self,
+        cache: FrontCache,
+        block: Block,
+        layout: Layout,
+        params: SamplingParams,
+        draws: np.ndarray,
+    ) -> Draw:
+        got = self._step(cache, block, layout, params, np.asarray(draws, dtype=np.float64))
+        return Draw(torch.from_numpy(got.tokens.copy()), torch.from_numpy(got.logprobs.copy()),
+                    torch.from_numpy(got.below.copy()))  # fmt: skip
+
+    def _step(self, cache, block, layout, params, draws) -> Sampled:
+        front, seq = self.front, self.seq
+        with front.compute:
+            hidden = front.stage.run(cache.local, block, layout)
+        dist = (params.temperature, params.top_k, params.top_p) if params else None
+        step = Step(front.group.binding(0, self.batch, self.stream, seq), cache.id,
+                    self.journal.take(), hidden.float().cpu().numpy(), block.positions,
+                    layout.real, block.allowed, draws, dist)  # fmt: skip
+        workers = front.group.workers
+        mine = keys.stage_key(workers[0], self.batch, self.stream, seq)
+        front.store.put(mine, pack_step(step))
+        last = len(workers) - 1
+        reply_key = keys.stage_key(workers[-1], self.batch, self.stream, seq)
+        raw = _wait(
+            front.store, reply_key, front.timeout, front.poll, f"reply from stage {last + 1}"
+        )
+        rows = 0 if draws is None else len(draws)
+        got = unpack_sampled(raw, front.group.binding(last, self.batch, self.stream, seq),
+                             front.vocab, rows)  # fmt: skip
+        _delete(front.store, mine)
+        self.seq += 1
+        return got
+
+    def refresh(self, state, changed) -> None:
+        raise RuntimeError("a pipeline takes a newer state at its stages (Front.refresh)")
+
+
+def split_streams(prompts: Sequence[Sequence[int]], streams: int) -> list[list[int]]:
+    """Row indices in at most `streams` micro-batches, the rows of one
+    prompt (a group) kept together, the micro-batches as even as the groups
+    allow, in order."""
+    groups = units(prompts, 0)
+    streams = max(1, min(streams, len(groups)))
+    total = sum(len(g) for g in groups)
+    out: list[list[int]] = [[] for _ in range(streams)]
+    k, done = 0, 0
+    for g in groups:
+        # Move on once this micro-batch holds its share of what came so far.
+        if out[k] and done >= total * (k + 1) / streams and k < streams - 1:
+            k += 1
+        out[k].extend(g)
+        done += len(g)
+    return [s for s in out if s]
+
+
+class Front:
+    """The first stage of a group: runs the episodes, `in_flight`
+    micro-batches at once."""
+
+    def __init__(
+        self,
+        stage: StageBackend,
+        store: ObjectStore,
+        group: Group,
+        tokenizer,
+        vocab: int,
+        in_flight: int = 2,
+        timeout: float = TIMEOUT_S,
+        poll: float = POLL_S,
+    ):
+        if not stage.stage.first or stage.stage.count != len(group.workers):
+            raise ValueError("the front is the first stage of its group")
+        self.stage, self.store, self.group = stage, store, group
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self.in_flight, self.timeout, self.poll = in_flight, timeout, poll
+        self.compute = threading.Lock()  # one stage's layers run one step at a time
+        self.batches = itertools.count(int(time.time()) % 10_000_000)
+        self.version = 0
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responders: Sequence[Responder],
+        params: SamplingParams,
+        keys_: Sequence[bytes],
+        max_rows: int = 0,
+    ) -> list[Episode]:
+        """`Engine.generate` over the pipeline: the rows in micro-batches,
+        each running in its own thread, their episodes in the rows' order."""
+        if not (len(prompts) == len(responders) == len(keys_)):
+            raise ValueError("one responder and one draw key per prompt")
+        batch = next(self.batches)
+        parts = split_streams(prompts, self.in_flight)
+        rows_each = -(-max_rows // len(parts)) if max_rows else 0
+
+        def run(stream: int, rows: list[int]) -> list[Episode]:
+            backend = FrontStream(self, batch, stream)
+            engine = Engine(backend, copy.deepcopy(self.tokenizer), self.version)
+            return engine.generate(
+                [prompts[i] for i in rows],
+                [responders[i] for i in rows],
+                params,
+                max_rows=rows_each,
+                keys=[keys_[i] for i in rows],
+            )
+
+        out: list[Episode | None] = [None] * len(prompts)
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="stream") as pool:
+            done = [pool.submit(run, s, rows) for s, rows in enumerate(parts)]
+            for rows, fut in zip(parts, done, strict=True):
+                for i, ep in zip(rows, fut.result(), strict=True):
+                    out[i] = ep
+        return out
+
+
+class _Caches:
+    """One stream's caches at a later stage, by the first stage's ids, with
+    the cuts replayed on them; a cut the caches cannot take is a bad message."""
+
+    def __init__(self, stage: StageBackend):
+        self.stage = stage
+        self.by_id: dict[int, TorchCache] = {}
+
+    def get(self, i: int) -> TorchCache:
+        if i not in self.by_id:
+            raise SchemaError(f"no cache {i}")
+        return self.by_id[i]
+
+    def apply(self, ops: list[Op]) -> None:
+        for n, op in enumerate(ops):
+            try:
+                self._apply(op)
+            except (IndexError, RuntimeError, ValueError) as e:
+                raise SchemaError(f"op {n} ({op.name}) does not fit the caches: {e}") from None
+
+    def _apply(self, op: Op) -> None:
+        if op.name == "new":
+            self.by_id[op.cache] = self.stage.new_cache(op.a)
+            return
+        if op.name == "free":
+            self.by_id.pop(op.cache, None)
+            return
+        cache = self.get(op.cache)
+        if op.index is not None and not cache.empty:
+            limit = cache.layers[0].keys.shape[2 if op.name == "gather" else 0]
+            if op.index.size and int(op.index.max()) >= limit:
+                raise IndexError(f"index {int(op.index.max())} of {limit}")
+        if op.name == "rows":
+            self.by_id[op.other] = cache.rows(op.index, op.a)
+        elif op.name == "select":
+            cache.select(op.index, op.a)
+        elif op.name == "write":
+            cache.write(op.index, self.get(op.other), op.a)
+        elif op.name == "append":
+            cache.append(op.index, self.get(op.other), op.a)
+        elif op.name == "join":
+            cache.join(self.get(op.other), op.a, op.b)
+        elif op.name == "gather":
+            cache.gather(op.index)
+
+
+class StageServer:
+    """A later stage of a group: steps in from the previous stage, hidden
+    states (or, on the last stage, sampled tokens) out."""
+
+    def __init__(
+        self,
+        stage: StageBackend,
+        store: ObjectStore,
+        group: Group,
+        hidden_size: int,
+        poll: float = POLL_S,
+    ):
+        k = stage.stage.index
+        if k == 0 or stage.stage.count != len(group.workers):
+            raise ValueError("a stage server is a later stage of its group")
+        self.stage, self.store, self.group = stage, store, group
+        self.hidden_size, self.poll = hidden_size, poll
+        self.me, self.prev = group.workers[k], group.workers[k - 1]
+        self.batch = -1
+        self.caches: dict[int, _Caches] = {}  # stream -> its caches
+        self.next: dict[int, int] = {}  # stream -> the step it takes next
+        self.broken: set[int] = set()  # streams whose message was refused
+        self.steps = 0
+
+    def serve(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Take steps until `stop()`."""
+        while not stop():
+            if not self.poll_once():
+                time.sleep(self.poll)
+
+    def poll_once(self) -> int:
+        """Take every step that has arrived, in order; how many."""
+        ready: dict[tuple[int, int, int], str] = {}
+        for key in self.store.list(keys.stage_dir(self.prev)):
+            parsed = keys.parse_stage_key(key)
+            if parsed is not None and parsed[0] == self.prev:
+                ready[parsed[1:]] = key
+        newest = max((b for b, _, _ in ready), default=-1)
+        if newest > self.batch:
+            self._new_batch(newest)
+        done = 0
+        for (batch, stream, seq), key in sorted(ready.items()):
+            if batch != self.batch or stream in self.broken:
+                continue
+            if seq != self.next.get(stream, 0):
+                continue
+            self._take(stream, seq, key)
+            done += 1
+        return done
+
+    def _new_batch(self, batch: int) -> None:
+        for key in self.store.list(keys.stage_dir(self.me)):
+            parsed = keys.parse_stage_key(key)
+            if parsed is not None and parsed[1] < batch:
+                _delete(self.store, key)
+        self.batch, self.caches, self.next, self.broken = batch, {}, {}, set()
+
+    def _take(self, stream: int, seq: int, key: str) -> None:
+        k = self.stage.stage.index
+        try:
+            raw = self.store.get(key)
+        except NotFound:
+            return
+        binding = self.group.binding(k - 1, self.batch, stream, seq)
+        caches = self.caches.setdefault(stream, _Caches(self.stage))
+        try:
+            step = unpack_step(raw, binding, self.hidden_size)
+            caches.apply(step.ops)
+            out = self._run(caches.get(step.cache), step)
+        except SchemaError as e:
+            log.warning("stage %d: refused %s: %s", k + 1, key, e)
+            self.broken.add(stream)  # its episodes are lost; the first stage times out
+            return
+        mine = keys.stage_key(self.me, self.batch, stream, seq)
+        self.store.put(mine, out)
+        if seq:
+            _delete(self.store, keys.stage_key(self.me, self.batch, stream, seq - 1))
+        self.next[stream] = seq + 1
+        self.steps += 1
+
+    @torch.inference_mode()
+    def _run(self, cache: TorchCache, step: Step) -> bytes:
+        layout = Layout(0)
+        layout.real = step.real
+        block = Block(None, step.positions, step.allowed)
+        k = self.stage.stage.index
+        out = self.stage.run(cache, block, layout, torch.from_numpy(step.hidden))
+        binding = self.group.binding(k, self.batch, step.binding.stream, step.binding.seq)
+        if not self.stage.stage.last:
+            nxt = Step(binding, step.cache, step.ops, out.float().cpu().numpy(), step.positions,
+                       step.real, step.allowed, step.draws, step.distribution)  # fmt: skip
+            return pack_step(nxt)
+        if step.draws is None:
+            return pack_sampled(Sampled(binding))
+        t, k_, p = step.distribution
+        params = SamplingParams(temperature=t, top_k=k_, top_p=p)
+        got = sample(out, params, step.draws)
+        return pack_sampled(Sampled(binding, got.tokens.numpy(), got.logprobs.numpy(),
+                                    got.below.numpy()))  # fmt: skip
