@@ -256,5 +256,6 @@ def test_a_stage_refuses_a_forged_step(tiny_dir, tiny, tmp_path):
     cut = Op("select", 0, -1, 0, 0, np.array([3]))
     store.put(keys.stage_key("w0", 5, 1, 1), pack_step(_message("g", 1, 1, [cut], 1, 2, h)))
     server.poll_once()
+    server.flush()
     assert server.steps == 1 and server.broken == {0, 1}
     assert store.list(keys.stage_dir("w1")) == [keys.stage_key("w1", 5, 1, 0)]

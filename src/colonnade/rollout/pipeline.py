@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +61,7 @@ from colonnade.engine.stages import StageBackend
 from colonnade.engine.torch_backend import TorchCache
 from colonnade.protocol import keys
 from colonnade.protocol.stages import (
+    MAX_STAGE_BYTES,
     Binding,
     Op,
     Sampled,
@@ -70,13 +71,14 @@ from colonnade.protocol.stages import (
     unpack_sampled,
     unpack_step,
 )
-from colonnade.store import NotFound, ObjectStore
+from colonnade.store import NotFound, ObjectStore, StoreError
 from colonnade.untrusted import SchemaError
 
 log = logging.getLogger("colonnade.pipeline")
 
 POLL_S = 0.002  # between looks for an awaited message (a slow store paces itself)
 TIMEOUT_S = 120.0  # a stage silent this long is taken for dead
+IO_THREADS = 8  # a later stage's reads and writes in flight at once
 
 
 class StageTimeout(RuntimeError):
@@ -100,7 +102,7 @@ def _wait(store: ObjectStore, key: str, timeout: float, poll: float, what: str) 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return store.get(key)
+            return store.get(key, max_bytes=MAX_STAGE_BYTES)
         except NotFound:
             if time.monotonic() > deadline:
                 raise StageTimeout(f"no {what} in {timeout:g} s ({key})") from None
@@ -368,6 +370,7 @@ class StageServer:
         group: Group,
         hidden_size: int,
         poll: float = POLL_S,
+        io_threads: int = IO_THREADS,
     ):
         k = stage.stage.index
         if k == 0 or stage.stage.count != len(group.workers):
@@ -380,15 +383,33 @@ class StageServer:
         self.next: dict[int, int] = {}  # stream -> the step it takes next
         self.broken: set[int] = set()  # streams whose message was refused
         self.steps = 0
+        # Reads and writes overlap (a slow store's round trips would
+        # otherwise add up, one micro-batch after another); steps run in turn.
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="stage-io")
+        self.writes: list[Future] = []
 
     def serve(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Take steps until `stop()`."""
-        while not stop():
-            if not self.poll_once():
-                time.sleep(self.poll)
+        """Take steps until `stop()`; a store error is logged and tried again."""
+        try:
+            while not stop():
+                try:
+                    took = self.poll_once()
+                except StoreError as e:
+                    log.warning("stage %d: %s", self.stage.stage.index + 1, e)
+                    took = 0
+                if not took:
+                    time.sleep(self.poll)
+        finally:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for the messages put so far."""
+        writes, self.writes = self.writes, []
+        for w in writes:
+            w.result()
 
     def poll_once(self) -> int:
-        """Take every step that has arrived, in order; how many."""
+        """Take every step that has arrived, each stream's in order; how many."""
         ready: dict[tuple[int, int, int], str] = {}
         for key in self.store.list(keys.stage_dir(self.prev)):
             parsed = keys.parse_stage_key(key)
@@ -398,28 +419,37 @@ class StageServer:
         if newest > self.batch:
             self._new_batch(newest)
         done = 0
-        for (batch, stream, seq), key in sorted(ready.items()):
-            if batch != self.batch or stream in self.broken:
-                continue
-            if seq != self.next.get(stream, 0):
-                continue
-            self._take(stream, seq, key)
-            done += 1
-        return done
+        # Each stream's next step may be followed by more of it in one look
+        # (a message read late): take them in order, a round at a time.
+        while True:
+            wanted = [(stream, seq, key) for (batch, stream, seq), key in sorted(ready.items())
+                      if batch == self.batch and stream not in self.broken
+                      and seq == self.next.get(stream, 0)]  # fmt: skip
+            if not wanted:
+                return done
+            for (stream, seq, _), raw in zip(wanted, self.io.map(self._read, wanted), strict=True):
+                if raw is not None:
+                    self._take(stream, seq, raw)
+                    done += 1
+                else:
+                    self.broken.add(stream)  # listed, then gone: not its writer's honest order
+
+    def _read(self, item: tuple[int, int, str]) -> bytes | None:
+        try:
+            return self.store.get(item[2], max_bytes=MAX_STAGE_BYTES)
+        except NotFound:
+            return None
 
     def _new_batch(self, batch: int) -> None:
+        self.flush()
         for key in self.store.list(keys.stage_dir(self.me)):
             parsed = keys.parse_stage_key(key)
             if parsed is not None and parsed[1] < batch:
                 _delete(self.store, key)
         self.batch, self.caches, self.next, self.broken = batch, {}, {}, set()
 
-    def _take(self, stream: int, seq: int, key: str) -> None:
+    def _take(self, stream: int, seq: int, raw: bytes) -> None:
         k = self.stage.stage.index
-        try:
-            raw = self.store.get(key)
-        except NotFound:
-            return
         binding = self.group.binding(k - 1, self.batch, stream, seq)
         caches = self.caches.setdefault(stream, _Caches(self.stage))
         try:
@@ -427,15 +457,19 @@ class StageServer:
             caches.apply(step.ops)
             out = self._run(caches.get(step.cache), step)
         except SchemaError as e:
-            log.warning("stage %d: refused %s: %s", k + 1, key, e)
+            log.warning("stage %d: refused step %d of stream %d: %s", k + 1, seq, stream, e)
             self.broken.add(stream)  # its episodes are lost; the first stage times out
             return
         mine = keys.stage_key(self.me, self.batch, stream, seq)
-        self.store.put(mine, out)
-        if seq:
-            _delete(self.store, keys.stage_key(self.me, self.batch, stream, seq - 1))
+        read = keys.stage_key(self.me, self.batch, stream, seq - 1) if seq else None
+        self.writes.append(self.io.submit(self._write, mine, out, read))
         self.next[stream] = seq + 1
         self.steps += 1
+
+    def _write(self, key: str, data: bytes, read: str | None) -> None:
+        self.store.put(key, data)
+        if read is not None:
+            _delete(self.store, read)
 
     @torch.inference_mode()
     def _run(self, cache: TorchCache, step: Step) -> bytes:
