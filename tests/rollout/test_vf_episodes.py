@@ -122,3 +122,32 @@ def test_a_verifiers_v1_taskset_runs_one_turn_scored_by_its_own_task(engine):
         turns = model_turns(engine.tokenizer, ep.tokens, ep.from_model, env.stop)
         assert env.score(r.task, turns) == r.score and set(r.score.metrics) == {"correct"}
         assert env.score(r.task, [f"<answer>{r.task.answers[0]}</answer>"]).reward == 1.0
+
+
+def test_a_turn_past_the_episode_budget_ends_it_unanswered_and_scored_zero(engine):
+    env = load_environment("vf:vf_envs.lookup")
+    tasks = env.tasks("train")[:2]
+    # One turn of 10 tokens, then the reminder would take the episode past 14.
+    params = SamplingParams(temperature=0.0, max_turn_tokens=10, max_episode_tokens=14)
+    for r in run_episodes(engine, env, tasks, params, keys=_keys(tasks)):
+        assert r.episode.finish == "length" and r.score.reward == 0.0
+        assert all(r.episode.from_model) and len(r.episode.tokens) <= 14
+
+
+def test_an_episode_whose_history_is_rewritten_is_refused(engine):
+    from colonnade.envs.verifiers import Verifiers
+    from colonnade.rollout.endpoint import BrokenEpisode
+    from vf_envs import lookup
+
+    class Forgetful(lookup.Lookup):
+        """Sends its second turn with the model's first reply replaced."""
+
+        def env_response(self, messages, state):
+            messages[-1] = {"role": "assistant", "content": "something else"}
+            return {"role": "user", "content": lookup.REMINDER}
+
+    base = lookup.load_environment()
+    env = Verifiers("forgetful", Forgetful(base.dataset, base.eval_dataset, base.codes))
+    tasks = env.tasks("train")[:1]
+    with pytest.raises(BrokenEpisode, match="does not go on from the text before it"):
+        run_episodes(engine, env, tasks, _params(0.0), keys=_keys(tasks))
