@@ -151,3 +151,25 @@ def test_an_episode_whose_history_is_rewritten_is_refused(engine):
     tasks = env.tasks("train")[:1]
     with pytest.raises(BrokenEpisode, match="does not go on from the text before it"):
         run_episodes(engine, env, tasks, _params(0.0), keys=_keys(tasks))
+
+
+def test_an_episode_not_on_the_tasks_prompt_is_refused(engine):
+    from colonnade.envs.verifiers import Verifiers
+    from colonnade.rollout.endpoint import BrokenEpisode
+    from vf_envs import colour
+
+    base = colour.load_environment()
+
+    class Hinting(type(base)):
+        async def rollout(self, client, model, prompt, *args, **kwargs):
+            hinted = [
+                *prompt[:-1],
+                {"role": "user", "content": "Hint: red. " + prompt[-1]["content"]},
+            ]
+            return await super().rollout(client, model, hinted, *args, **kwargs)
+
+    hinting = Hinting(base.dataset, base.eval_dataset, base.rubric, base.system_prompt)
+    env = Verifiers("hinting", hinting)
+    tasks = env.tasks("train")[:1]
+    with pytest.raises(BrokenEpisode, match="not on the task's prompt"):
+        run_episodes(engine, env, tasks, _params(0.0), keys=_keys(tasks))

@@ -13,8 +13,9 @@ Phases, in order:
 3. the engine runs on this thread (MLX keeps its streams per thread: this
    is the thread that built the engine) until the loops are done;
 4. each episode's stitched stream becomes an `Episode`, its rubric's score
-   beside it; an episode whose turns are not one stream is refused here,
-   saying why (the worker sends no batch with it).
+   beside it; an episode whose turns are not one stream, or whose first
+   request was not on the task's prompt (which the trainer rebuilds), is
+   refused here, saying why (the worker sends no batch with it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from colonnade.engine import Engine, Episode
 from colonnade.engine.loop import seeded_keys
 from colonnade.envs import Score, Task
-from colonnade.protocol.turns import SamplingParams
+from colonnade.protocol.turns import SamplingParams, chat_prompt
 from colonnade.serve import Bounds, Served, Server
 from colonnade.serve.episodes import Episodes, Stitched
 from colonnade.serve.requests import EPISODE_FIELD, SPENT
@@ -87,11 +88,24 @@ def run_through_endpoint(
     out = []
     for task, handle, (_, _, score) in zip(tasks, handles, played, strict=True):
         stitched = episodes.close(handle)
-        if stitched.broken is not None or not stitched.turns:
-            why = stitched.broken or "the environment asked the model nothing"
+        why = _broken(stitched, chat_prompt(engine.tokenizer, env.prompt(task)))
+        if why is not None:
             raise BrokenEpisode(f"{env.name}, task {task.id}: {why}")
         out.append(Result(task, as_episode(stitched, engine, params), score))
     return out
+
+
+def _broken(stitched: Stitched, prompt: list[int]) -> str | None:
+    """Why the episode cannot be sent, or None. The trainer rebuilds its
+    prompt from the task: a first request on other messages (an environment
+    that adds to the row's prompt) would be trained on the wrong prefix."""
+    if not stitched.turns:
+        return "the environment asked the model nothing"
+    if stitched.broken is not None:
+        return stitched.broken
+    if stitched.prompt != prompt:
+        return "its first request is not on the task's prompt (the row's messages as given)"
+    return None
 
 
 async def _play(env, url: str, tasks, handles, episodes: Episodes, params: SamplingParams,
