@@ -73,6 +73,10 @@ def test_the_bridge_keeps_the_sampled_tokens_where_the_text_encodes_otherwise(to
     bridged = bridge(tok, stream, len(prompt), text, later)
     assert bridged[: len(stream)] == stream
     assert tok.decode(bridged) == tok.decode(later)  # the same text, the sampled tokens
+    # A reply cut before its stop string: the stop string's tokens stay the model's.
+    stopped = prompt + canonical + tok.encode("</answer>", add_special_tokens=False)
+    bridged = bridge(tok, stopped, len(prompt), text, later)
+    assert bridged[: len(stopped)] == stopped and tok.decode(bridged).endswith("assistant\n")
     # A next prompt that does not go on from the text shown: no stream.
     edited = chat_prompt(tok, [*CHAT, {"role": "assistant", "content": " red fox"}])
     assert bridge(tok, stream, len(prompt), text, edited) is None

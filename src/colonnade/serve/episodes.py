@@ -21,11 +21,12 @@ BPE merges differently). So a turn does not run on the prompt it renders
 to, but on the stream so far followed by what that prompt adds after the
 text of the stream (`bridge`): the model sees exactly the tokens the
 trainer will teacher-force, and every token keeps its position across
-turns, so the draw check and spot checks read the episode as one row. A
-prompt that does not go on from the stream's text (a template that drops
-an earlier turn's text, an environment that edits its history, a reply
-cut at a stop string) cannot make one stream: the episode is marked
-`broken`, saying why, and the worker refuses to send it.
+turns, so the draw check and spot checks read the episode as one row (a
+reply cut before its stop string goes on from the cut: the stop string's
+tokens stay the model's, as sampled). A prompt that does not go on from
+the text the client was shown (a template that drops an earlier turn's
+text, an environment that edits its history) cannot make one stream: the
+episode is marked `broken`, saying why, and the worker refuses to send it.
 """
 
 from __future__ import annotations
