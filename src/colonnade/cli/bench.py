@@ -82,6 +82,15 @@ BENCHES = {
         "(direct_episodes_s, endpoint_episodes_s), their ratio, and the share of episodes "
         "whose tokens are the same on both.",
     ),
+    "pipeline": (
+        "a model run by a pipeline of stage-workers against one whole-model worker",
+        "The same fixed-length episodes through one whole-model int8 worker and through "
+        "groups of stage-workers (the first stage here, each later stage in a process of its "
+        "own) over a local store behind the fleet bench's WAN view (--latency-ms a "
+        "request): per (stages, latency, micro-batches in flight) the episodes/s measured, "
+        "the whole worker's, and the throughput model's prediction; each later stage's "
+        "resident memory.",
+    ),
 }
 
 

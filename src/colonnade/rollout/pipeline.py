@@ -227,7 +227,7 @@ class FrontStream:
         rows = 0 if draws is None else len(draws)
         got = unpack_sampled(raw, front.group.binding(last, self.batch, self.stream, seq),
                              front.vocab, rows)  # fmt: skip
-        _delete(front.store, mine)
+        front.io.submit(_delete, front.store, mine)  # off the step's path: a round trip
         self.seq += 1
         return got
 
@@ -274,6 +274,7 @@ class Front:
         self.tokenizer, self.vocab = tokenizer, vocab
         self.in_flight, self.timeout, self.poll = in_flight, timeout, poll
         self.compute = threading.Lock()  # one stage's layers run one step at a time
+        self.io = ThreadPoolExecutor(2, thread_name_prefix="front-io")
         self.batches = itertools.count(int(time.time()) % 10_000_000)
         self.version = 0
 

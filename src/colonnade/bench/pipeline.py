@@ -1,0 +1,319 @@
+"""Episodes/s of a model run by a pipeline of stage-workers, against one whole-model worker.
+
+`colonnade bench pipeline` runs the same episodes (fixed length: EOS
+ignored, one turn) through one whole-model int8 engine and through groups
+of stage-workers (`rollout/pipeline.py`): the first stage in this process,
+every later stage in a process of its own, all of them reaching one local
+store through the fleet bench's WAN view (`bench/fleet/wan.py`: every
+request delayed by `--latency-ms`). One row per (stages, latency, in-flight
+micro-batches): `episodes_s` measured, `single_episodes_s` the whole
+worker's on this machine, `predicted_episodes_s` the throughput model's.
+
+The throughput model (docs/benchmarks.md): with E episodes of T tokens in
+M micro-batches of b = E / M rows, a micro-batch's step takes one cycle
+
+    C(b) = c(b) + N * hop,    hop = 3.5 * latency + o(b)
+
+where c(b) is the whole model's step at b rows (measured on this machine)
+and a hop is a put, the reader's looks until it sees the message (a look
+is a round trip, and a message lands halfway through one on average: one
+and a half), and a get; o(b) is what a message costs beside its round
+trips (packed, written to a local store, read, checked; measured). The
+stages work on different micro-batches at once, each taking a step at a
+time, stage k for its share s_k of the weights (the head counted):
+
+    steps/s = min(M / C(b), 1 / (max_k s_k * c(b)))
+    episodes/s = b * steps/s / T
+
+against one worker's E / (T * c(E)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = ("tiny", "smollm2-135m")
+HOP_REQUESTS = 3.5  # a hop's round trips: put, one and a half looks, get
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", choices=MODELS, help="model (default: tiny)")
+    p.add_argument("--stages", default="2", help="comma list of stage counts (default 2)")
+    p.add_argument(
+        "--latency-ms", default="0,40", help="comma list of store round trips (default 0,40)"
+    )
+    p.add_argument("--in-flight", default="1,2,4", help="comma list of micro-batches in flight")
+    p.add_argument("--episodes", type=int, default=64, help="episodes a run (default 64)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens an episode (default 16)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+
+
+def log(msg: str) -> None:
+    print(f"[bench pipeline] {msg}", file=sys.stderr, flush=True)
+
+
+def _ints(text: str, what: str, low: int) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --{what}: a comma list of integers") from None
+    if not out or min(out) < low:
+        raise SystemExit(f"error: --{what}: integers >= {low}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    stages = _ints(args.stages, "stages", 2)
+    latencies = _ints(args.latency_ms, "latency-ms", 0)
+    in_flight = _ints(args.in_flight, "in-flight", 1)
+    if min(args.episodes, args.tokens) < 1:
+        raise SystemExit("error: --episodes and --tokens must be >= 1")
+    rows = _rows(args, stages, latencies, in_flight)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(_table(rows))
+    return 0
+
+
+def _model_path(name: str) -> str:
+    from colonnade.envs import load_environment
+    from colonnade.model import resolve_model
+
+    texts = load_environment("searchqa").tokenizer_texts if name == "tiny" else None
+    return resolve_model(name, texts)
+
+
+class _Setup:
+    """The model, its published int8 state, the whole engine and the episodes."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        from colonnade.engine import SamplingParams, engine_for
+        from colonnade.engine.loop import seeded_keys
+        from colonnade.model import int8_state, load_model
+
+        self.path = _model_path(args.model)
+        model, self.tok = load_model(self.path)
+        self.state = int8_state(model)
+        self.whole = engine_for(model, self.tok, self.state, "int8", torch.device("cpu"))
+        self.tokens, self.episodes = args.tokens, args.episodes
+        self.params = SamplingParams(max_turn_tokens=args.tokens,
+                                     max_episode_tokens=args.tokens, ignore_eos=True)  # fmt: skip
+        self.prompts = [
+            self.tok.encode(f"Question {i}: which protein does GX{i} bind to?")
+            for i in range(args.episodes)
+        ]
+        self.keys = seeded_keys(7, args.episodes)
+        self._steps: dict[int, float] = {}
+
+    def responders(self, n: int) -> list:
+        return [lambda text: None] * n
+
+    def warm_up(self) -> None:
+        rows = min(4, self.episodes)
+        self.whole.generate(self.prompts[:rows], self.responders(rows), self.params,
+                            keys=self.keys[:rows])  # fmt: skip
+
+    def step_seconds(self, rows: int) -> float:
+        """The whole model's seconds a step at `rows` rows (prefill included)."""
+        if rows not in self._steps:
+            t0 = time.perf_counter()
+            self.whole.generate(self.prompts[:rows], self.responders(rows), self.params,
+                                keys=self.keys[:rows])  # fmt: skip
+            self._steps[rows] = (time.perf_counter() - t0) / self.tokens
+        return self._steps[rows]
+
+
+def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int]) -> list[dict]:
+    setup = _Setup(args)
+    log(f"{args.model}: warming up, then one whole-model worker over {args.episodes} episodes")
+    setup.warm_up()
+    single_step = setup.step_seconds(args.episodes)
+    single = args.episodes / (args.tokens * single_step)
+    rows = []
+    for n in stages:
+        for latency in latencies:
+            rows.extend(_group_rows(setup, n, latency, in_flight, single))
+    return rows
+
+
+def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], single: float):
+    from transformers import AutoConfig
+
+    from colonnade.engine.stages import build_stage, plan_stages
+    from colonnade.model.loading import skeleton
+    from colonnade.rollout.pipeline import Front, Group
+
+    config = AutoConfig.from_pretrained(setup.path)
+    plan = plan_stages(skeleton(setup.path), n)
+    shares = _shares(setup.path, plan)
+    first = build_stage(config, setup.state, plan[0])
+    out = []
+    with tempfile.TemporaryDirectory(prefix="colonnade-pipeline-") as tmp:
+        root = Path(tmp) / "inbox"
+        root.mkdir()
+        procs = _start_stages(setup.path, root, Path(tmp), n, latency_ms)
+        try:
+            group = Group("bench", "g", tuple(f"w{k}" for k in range(n)))
+            store = _wan(root, "w0", latency_ms)
+            front = Front(first, store, group, setup.tok, config.vocab_size)
+            for m in in_flight:
+                front.in_flight = m
+                log(f"{n} stages, {latency_ms} ms a request, {m} in flight")
+                t0 = time.perf_counter()
+                front.generate(setup.prompts, setup.responders(setup.episodes), setup.params,
+                               setup.keys)  # fmt: skip
+                seconds = time.perf_counter() - t0
+                b = -(-setup.episodes // m)
+                out.append({
+                    "model": Path(setup.path).name, "stages": n, "latency_ms": latency_ms,
+                    "in_flight": m, "episodes": setup.episodes, "tokens": setup.tokens,
+                    "episodes_s": round(setup.episodes / seconds, 3),
+                    "single_episodes_s": round(single, 3),
+                    "predicted_episodes_s": round(_predict(setup, b, m, n, latency_ms, shares), 3),
+                    "layers": [[s.start, s.stop] for s in plan],
+                })  # fmt: skip
+        finally:
+            (Path(tmp) / "stop").touch()
+            rss = _stop(procs, Path(tmp))
+    for row in out:
+        row["stage_rss_mb"] = rss
+    return out
+
+
+def _predict(setup: _Setup, b: int, m: int, n: int, latency_ms: int, shares) -> float:
+    c = setup.step_seconds(b)
+    cycle = c + n * (HOP_REQUESTS * latency_ms / 1000 + _hop_overhead(setup, b))
+    steps_s = min(m / cycle, 1 / (max(shares) * c))
+    return b * steps_s / setup.tokens
+
+
+def _hop_overhead(setup: _Setup, rows: int, repeats: int = 20) -> float:
+    """Seconds a decode step's message of `rows` rows costs beside the round
+    trips: packed, written to a local store (fsynced), read and checked."""
+    import numpy as np
+
+    from colonnade.protocol.stages import Binding, Step, pack_step, unpack_step
+    from colonnade.store import LocalStore
+
+    hidden = setup.whole.backend.model.config.get_text_config().hidden_size
+    bind = Binding("bench", "g", 0, 0, 0, 0)
+    step = Step(bind, 0, [], np.zeros((rows, 1, hidden), np.float32),
+                np.zeros((rows, 1), np.int64), np.ones((rows, 64), bool))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(tmp)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            store.put("m", pack_step(step))
+            unpack_step(store.get("m"), bind, hidden)
+        return (time.perf_counter() - t0) / repeats
+
+
+def _shares(path: str, plan) -> list[float]:
+    """Each stage's share of the weights a step streams (the head on the last)."""
+    from colonnade.model.loading import skeleton
+
+    model = skeleton(path)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    head = sum(p.numel() for p in model.get_output_embeddings().parameters())
+    cost = [sum(layers[s.start : s.stop]) + (head if s.last else 0) for s in plan]
+    return [c / sum(cost) for c in cost]
+
+
+def _wan(root: Path, client: str, latency_ms: int):
+    from colonnade.bench.fleet.wan import Link, Tally, WanStore
+    from colonnade.store import LocalStore
+
+    return WanStore(LocalStore(root), client, Tally(), Link(latency_ms / 1000))
+
+
+def _start_stages(path: str, root: Path, tmp: Path, n: int, latency_ms: int) -> list:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = []
+    for k in range(1, n):
+        argv = [sys.executable, "-m", "colonnade.bench.pipeline", path, str(root), str(tmp),
+                str(k), str(n), str(latency_ms)]  # fmt: skip
+        procs.append(subprocess.Popen(argv, env=env))
+    deadline = time.monotonic() + 600
+    while not all((tmp / f"ready-{k}").exists() for k in range(1, n)):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            _stop(procs, tmp)
+            raise SystemExit("error: a stage process did not start")
+        time.sleep(0.1)
+    return procs
+
+
+def _stop(procs: list, tmp: Path) -> list[float]:
+    (tmp / "stop").touch()
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    rss = []
+    for k in range(1, len(procs) + 1):
+        f = tmp / f"rss-{k}"
+        rss.append(float(f.read_text()) if f.exists() else float("nan"))
+    return rss
+
+
+def _serve(argv: list[str]) -> None:
+    """A later stage in its own process, until the stop file appears; its
+    resident memory (MB) at the end, its caches still held, written beside it."""
+    from transformers import AutoConfig
+
+    from colonnade.engine.stages import build_stage, plan_stages
+    from colonnade.model import int8_state, load_model
+    from colonnade.model.loading import skeleton
+    from colonnade.rollout.pipeline import Group, StageServer
+
+    path, root, tmp, k, n, latency_ms = argv
+    k, n, tmp = int(k), int(n), Path(tmp)
+    config = AutoConfig.from_pretrained(path)
+    stage = plan_stages(skeleton(path), n)[k]
+    # The whole state is made here only because the bench has no published
+    # run to read a stage's tensors from; the stage keeps its own.
+    state = int8_state(load_model(path)[0])
+    backend = build_stage(config, state, stage)
+    del state
+    gc.collect()
+    group = Group("bench", "g", tuple(f"w{i}" for i in range(n)))
+    server = StageServer(backend, _wan(Path(root), f"w{k}", int(latency_ms)), group,
+                         config.hidden_size)  # fmt: skip
+    (tmp / f"ready-{k}").touch()
+    server.serve(lambda: (tmp / "stop").exists())
+    (tmp / f"rss-{k}").write_text(str(_resident_mb()))
+
+
+def _resident_mb() -> float:
+    """This process's resident memory now (Linux; NaN elsewhere). Not the
+    peak: the bench loads the whole model first to make the published state."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _table(rows: list[dict]) -> str:
+    head = ["stages", "latency_ms", "in_flight", "episodes_s", "single_episodes_s",
+            "predicted_episodes_s"]  # fmt: skip
+    lines = ["  ".join(f"{h:>20}" for h in head)]
+    lines += ["  ".join(f"{r[h]!s:>20}" for h in head) for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])
