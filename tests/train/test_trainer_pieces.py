@@ -331,7 +331,8 @@ def test_a_checkpoint_holds_the_weights_of_its_step_not_of_the_next(tiny, tmp_pa
     a, opt_a, aliases = _policy_and_opt(tiny)
     _one_update(a, opt_a, 0)
     saved = {n: p.detach().clone() for n, p in a.named_parameters()}
-    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer)
+    saver = Checkpointer(store, a, opt_a, Dist(), tmp_path / "staging", aliases, signer,
+                         background_write=True)  # fmt: skip
     saver.save(1)
     _one_update(a, opt_a, 1)  # moves every weight before the write
     stepped.set()

@@ -17,16 +17,17 @@ base is the model's own files). Not the learning rate, which the trainer sets ev
 version. Loading reads whatever slices each rank needs from every shard, so
 a run resumes on any number of ranks: DCP reshards (tested 2 ranks → 1).
 
-Every rank copies its state to host memory (the step waits for that copy
-alone: DCP's `async_save`), writes its shard to a local staging folder from
-DCP's thread and uploads it in the background while the next steps train
-(`put_file`: streamed, multipart when large), then leaves a marker
-`rank-{r}.json`; rank 0 commits state.json once every rank's marker is up.
-One checkpoint uploads at a time: the next save first waits for the one in
-flight, so the staging folder needs room for two. A trainer that stops waits
-for the upload (`finish`); one that crashes leaves a checkpoint without
-state.json, which a resume ignores. On resume the first process of each
-machine downloads the shards once for the ranks beside it.
+Every rank writes its shard to a local staging folder (on a GPU the step
+waits only for a copy to host memory, DCP's `async_save` writing from its
+own thread; on a CPU, where that copy would double the state in the memory
+the step needs, for the write) and uploads it in the background while the
+next steps train (`put_file`: streamed, multipart when large), then leaves a
+marker `rank-{r}.json`; rank 0 commits state.json once every rank's marker
+is up. One checkpoint uploads at a time: the next save first waits for the
+one in flight, so the staging folder needs room for two. A trainer that
+stops waits for the upload (`finish`); one that crashes leaves a checkpoint
+without state.json, which a resume ignores. On resume the first process of
+each machine downloads the shards once for the ranks beside it.
 """
 
 from __future__ import annotations
@@ -125,12 +126,17 @@ class Checkpointer:
     outage_seconds: float = 600.0  # how long an upload waits out an unavailable store
     ranks_seconds: float = 3600.0  # how long rank 0 waits for every rank's shards
     uploads: Background = field(default_factory=lambda: Background("checkpoint"))
-    # DCP's background write coordinates the ranks on a group of its own:
-    # on the training's group its collectives would interleave with a step's.
+    # DCP's async_save: the state copied to host memory, written from DCP's
+    # thread. On a GPU the copy costs host memory the step does not use; on a
+    # CPU it doubles the weights' and moments' share of the one memory the
+    # step needs (a 0.6B model on 2 CPU ranks ran out), so the write waits.
+    background_write: bool = False
+    # The background write coordinates the ranks on a group of its own: on
+    # the training's group its collectives would interleave with a step's.
     _group: object = None
 
     def __post_init__(self) -> None:
-        if self.where.sharded:
+        if self.where.sharded and self.background_write:
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")  # collective: every rank, once
@@ -148,15 +154,19 @@ class Checkpointer:
         local = staging_dir(staging, store, f"save-{version:08d}-rank{where.rank}")
         shutil.rmtree(local, ignore_errors=True)
         writer = dcp.HuggingFaceStorageWriter(str(local), save_distributed=True)
+        written = None
         with _single_process_quiet():
-            # The state is copied to host memory here; the write to disk runs
-            # in DCP's thread while the next steps train.
-            written = dcp.async_save(
-                sd, storage_writer=writer, no_dist=not where.sharded, process_group=self._group
-            )
+            if self.background_write:
+                # The state is copied to host memory here; the write to disk
+                # runs in DCP's thread while the next steps train.
+                written = dcp.async_save(
+                    sd, storage_writer=writer, no_dist=not where.sharded, process_group=self._group
+                )
+            else:
+                dcp.save(sd, storage_writer=writer, no_dist=not where.sharded)
 
         def upload() -> None:
-            with _single_process_quiet():
+            if written is not None:
                 written.result()
             self._upload(version, local, facts)
 

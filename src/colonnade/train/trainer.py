@@ -212,6 +212,7 @@ class Trainer:
             self.aliases,
             keep=cfg.keep_checkpoints,
             outage_seconds=cfg.store_outage_seconds,
+            background_write=self.where.device.type == "cuda",
         )
         self.step_cfg = StepConfig(
             temperature=cfg.temperature,
