@@ -179,9 +179,9 @@ def make_batch(
 
 def prompt_of(w: World, task_id: str) -> list[int]:
     """The prompt's ids, as the worker and the trainer's replay build them."""
-    from colonnade.protocol.turns import chat_prompt
+    from colonnade.protocol.turns import task_prompt
 
-    return chat_prompt(w.tok, w.env.prompt(w.by_id[task_id]))
+    return task_prompt(w.tok, w.env, w.by_id[task_id])
 
 
 def truth(w: World, model, batch):

@@ -12,6 +12,7 @@ BUILTINS = {
     "searchqa": "colonnade.envs.searchqa",
     "searchqa2": "colonnade.envs.searchqa.multihop",  # two-hop questions (hops=2)
     "smoke": "colonnade.envs.smoke",
+    "chattools": "colonnade.envs.chattools",  # a tool called in the model's chat format
 }
 # `prefix:rest` names a family: the module's load_environment(rest, **kwargs).
 PREFIXES = {
@@ -21,8 +22,8 @@ PREFIXES = {
 
 
 def load_environment(name: str, **kwargs) -> Environment:
-    """`searchqa`, `searchqa2`, `smoke`, `rg:<dataset>`, `vf:<module>`, or a module path
-    such as `my_pkg.my_env`.
+    """`searchqa`, `searchqa2`, `smoke`, `chattools`, `rg:<dataset>`, `vf:<module>`, or a
+    module path such as `my_pkg.my_env`.
 
     The module must expose `load_environment(**kwargs)`; the object it returns
     is checked against the `Environment` interface. `kwargs` are checked as

@@ -9,7 +9,10 @@ here, so the two readings of an episode cannot drift apart:
 - `SamplingParams`: the rules a worker samples with; run.json's `sampling`
   object carries them from the trainer (`run_sampling`) to every
   worker (docs/protocol.md).
-- `chat_prompt`: the prompt tokens of a task's messages.
+- `chat_prompt`: the prompt tokens of a task's messages; `task_prompt`: of
+  a task, with its environment's tools and thinking switch.
+- `chat_reply`: a chat-format environment's text after a model turn (its
+  tool messages, rendered by the model's template: `toolcalls.py`).
 - `episode_stops`: the stop strings, the run's then the environment's.
 - `StopMatcher`: where a turn ends (the engine, as tokens arrive) and where
   its text is cut (the engine and `model_turns`).
@@ -25,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from colonnade.envs import Environment
+from colonnade.envs import Environment, Task
+from colonnade.envs.toolcalls import between_turns, family_of, parse_calls, render, tool_messages
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,33 @@ def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the chat messages with the assistant turn opened."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_format(env) -> bool:
+    """Whether `env` declares tools: its calls are read in the model's own format."""
+    return bool(getattr(env, "tools", None))
+
+
+def task_prompt(tokenizer, env: Environment, task: Task) -> list[int]:
+    """Token ids of a task's prompt: `chat_prompt` of its messages, with the
+    environment's `tools` and `thinking` (both optional attributes)."""
+    tools = getattr(env, "tools", None) or None
+    text = render(tokenizer, env.prompt(task), tools, getattr(env, "thinking", None))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_reply(tokenizer, env: Environment, task: Task, turns: Sequence[str]) -> str | None:
+    """What a chat-format environment appends after the newest of `turns`:
+    the template's tool messages answering its calls (`env.call` each), or
+    None (episode over) when it calls nothing or the turns are used up."""
+    if len(turns) >= env.max_turns:
+        return None
+    calls = parse_calls(turns[-1], family_of(tokenizer))
+    if not calls:
+        return None
+    replies = tool_messages(calls, [env.call(task, c) for c in calls])
+    thinking = getattr(env, "thinking", None)
+    return between_turns(tokenizer, env.prompt(task), replies, env.tools, thinking)
 
 
 def episode_stops(stop: Sequence[str], env: Environment) -> tuple[str, ...]:

@@ -5,6 +5,9 @@ the engine's tokens. The prompt, the stop strings and the turn texts follow
 the episode contract in `protocol/turns.py`, which the trainer replays. An
 environment with a tool service has its served turns answered by the
 service, each reply signed for the episode's row and turn (tools/served.py).
+A chat-format environment (one that declares `tools`) has its calls read in
+the model's own format and answered by tool messages that the model's
+template renders (`protocol.turns.chat_reply`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ from dataclasses import dataclass, field, replace
 from colonnade.engine import Engine, Episode
 from colonnade.engine.loop import seeded_keys
 from colonnade.envs import Environment, Score, Task
-from colonnade.protocol.turns import SamplingParams, chat_prompt, episode_stops
+from colonnade.protocol.turns import (
+    SamplingParams,
+    chat_format,
+    chat_reply,
+    episode_stops,
+    task_prompt,
+)
 from colonnade.tools.client import Retry
 from colonnade.tools.served import EpisodeTools, client_for, served
 from colonnade.tools.signed import Reply
@@ -30,13 +39,16 @@ class Result:
     tool_failed: str = ""  # why its tool service gave no reply ("": none failed)
 
 
-def _responder(env: Environment, task: Task, tools: EpisodeTools | None = None):
+def _responder(env: Environment, task: Task, tools: EpisodeTools | None = None, tokenizer=None):
     turns: list[str] = []
+    chat = chat_format(env)
 
     def respond(text: str) -> str | None:
         turns.append(text)
         if tools is not None:
             return tools.respond(list(turns))
+        if chat:
+            return chat_reply(tokenizer, env, task, list(turns))
         return env.respond(task, list(turns))
 
     return respond
@@ -97,7 +109,7 @@ def run_episodes(
 
         return run_through_endpoint(env, engine, tasks, params, seed, max_rows, keys)
     params = replace(params, stop=episode_stops(params.stop, env))
-    prompts = [chat_prompt(engine.tokenizer, env.prompt(t)) for t in tasks]
+    prompts = [task_prompt(engine.tokenizer, env, t) for t in tasks]
     if keys is None:
         keys = seeded_keys(seed, len(tasks))
     tools: list[EpisodeTools | None] = [None] * len(tasks)
@@ -106,7 +118,9 @@ def run_episodes(
         tools = [
             EpisodeTools(env, t, client, run_id, k.hex()) for t, k in zip(tasks, keys, strict=True)
         ]
-    responders = [_responder(env, t, x) for t, x in zip(tasks, tools, strict=True)]
+    responders = [
+        _responder(env, t, x, engine.tokenizer) for t, x in zip(tasks, tools, strict=True)
+    ]
     episodes = engine.generate(
         prompts, responders, params, seed, max_rows, share_prefix, split_replies, keys
     )

@@ -5,17 +5,20 @@ trainer rebuilds the prompt from the task id, decodes the model's turns from
 the ids, replays the environment on them and checks that every tool reply
 in the episode is exactly what the environment answers, then scores the
 turns itself. The worker's own reward or text is never used. A reply of a
-tool service is not replayed: its signature is checked (train/replies.py).
+tool service is not replayed: its signature is checked (train/replies.py);
+a chat-format environment's tool messages are rendered again by the model's
+template (`protocol.turns.chat_reply`), which the worker's must match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from colonnade.envs import Environment, Score
 from colonnade.protocol import EpisodeRecord, GroupRecord
-from colonnade.protocol.turns import chat_prompt, model_turns
+from colonnade.protocol.turns import chat_format, chat_reply, model_turns, task_prompt
 from colonnade.tools.served import score as score_episode
 
 from .replies import Answers, ToolRejected
@@ -53,13 +56,16 @@ def _check_replies(tokenizer, env: Environment, task, ep: EpisodeRecord, turns) 
     """Every reply as the environment gives it (a service's: as signed); the
     service's results, for the score."""
     answers = Answers(env, task, ep)
+    respond = answers.respond
+    if chat_format(env) and not answers.served:
+        respond = partial(chat_reply, tokenizer, env, task)
     segs = _segments(ep.from_model)
     model_segs = [s for s in segs if s[0]]
     env_segs = [s for s in segs if not s[0]]
     if len(model_segs) != len(turns) or len(turns) > env.max_turns:
         raise Rejected("turn structure does not match the tokens")
     for i, (_, start, end) in enumerate(env_segs):
-        reply = answers.respond(list(turns[: i + 1]))
+        reply = respond(list(turns[: i + 1]))
         if reply is None:
             raise Rejected(f"tool text after turn {i + 1}, where the environment ends")
         if list(ep.tokens[start:end]) != tokenizer.encode(reply, add_special_tokens=False):
@@ -75,7 +81,7 @@ def rebuild_episode(
     tokenizer, env: Environment, task_id: str, ep: EpisodeRecord, version: int, stop, max_len: int
 ) -> Sample:
     task = env.task(task_id)
-    prompt = chat_prompt(tokenizer, env.prompt(task))
+    prompt = task_prompt(tokenizer, env, task)
     if len(prompt) + len(ep.tokens) > max_len:
         raise Rejected(f"episode of {len(prompt) + len(ep.tokens)} tokens exceeds {max_len}")
     turns = model_turns(tokenizer, ep.tokens, ep.from_model, stop)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from colonnade.envs import Demonstrating, Environment, Task
-from colonnade.protocol.turns import chat_prompt
+from colonnade.protocol.turns import chat_format, chat_reply, task_prompt
 
 
 @dataclass(frozen=True)
@@ -25,19 +25,25 @@ class Example:
     learn: tuple[bool, ...]  # True where the model wrote the token
 
 
+def _reply(tokenizer, env: Environment, task: Task, turns: list[str]) -> str | None:
+    if chat_format(env):
+        return chat_reply(tokenizer, env, task, turns)
+    return env.respond(task, turns)
+
+
 def episode_example(tokenizer, env: Environment, task: Task, turns: Sequence[str]) -> Example:
     """Tokens of an episode made of these model turns, replies from `env`.
 
     Each piece is tokenized on its own, as the engine sees it: prompt ids,
     then model turn, tool reply, model turn, ...
     """
-    ids = list(chat_prompt(tokenizer, env.prompt(task)))
+    ids = list(task_prompt(tokenizer, env, task))
     learn = [False] * len(ids)
     for i, turn in enumerate(turns):
         piece = tokenizer.encode(turn, add_special_tokens=False)
         ids += piece
         learn += [True] * len(piece)
-        reply = env.respond(task, list(turns[: i + 1]))
+        reply = _reply(tokenizer, env, task, list(turns[: i + 1]))
         if reply is None:
             break
         piece = tokenizer.encode(reply, add_special_tokens=False)

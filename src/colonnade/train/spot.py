@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from colonnade.protocol.schemas import RolloutBatch
-from colonnade.protocol.turns import SamplingParams, chat_prompt
+from colonnade.protocol.turns import SamplingParams, task_prompt
 
 log = logging.getLogger("colonnade.trainer")
 # Row-positions whose logits exist at once while recomputing (× vocabulary
@@ -276,7 +276,7 @@ class SpotChecker:
                 task = self.env.task(task_id)
             except Exception:  # an unknown id: the replay rejects its group
                 return None
-            self._prompts[task_id] = chat_prompt(self.tokenizer, self.env.prompt(task))
+            self._prompts[task_id] = task_prompt(self.tokenizer, self.env, task)
         return self._prompts[task_id]
 
     def _model(self, version: int, state: Mapping[str, torch.Tensor]):
