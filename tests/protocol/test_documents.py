@@ -389,7 +389,8 @@ def test_row_readers_read_no_row_by_string_key(module):
     # .get("name") on rows is gone; what is left reads other documents.
     # (config: the launch document's settings; version: an eval document's)
     own = {"started", "wall_s", "model", "preset", "status", "env", "groups", "config",
-           "version", "batches_rejected", "batches_dropped_stale", "groups_rejected"}  # fmt: skip
+           "version", "batches_rejected", "batches_dropped_stale", "groups_rejected",
+           "episodes_overflow"}  # fmt: skip
     assert keyed <= own, keyed - own
     # the counters read by name are declared ones
     declared(keyed & (own - {"started", "wall_s", "model", "preset", "status", "env", "config",

@@ -49,7 +49,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob; 0.0 on env tokens
     below: list[float] = field(default_factory=list)  # mass below each token (its draw's interval)
     turns: list[str] = field(default_factory=list)  # each model turn's text
-    finish: str = ""  # "done" (env ended it), "eos", "length"
+    finish: str = ""  # "done" (env ended it), "eos", "length", "overflow" (a reply too long)
 
     def add(
         self,
@@ -390,7 +390,7 @@ class Engine:
             return False
         env_ids = self.tokenizer.encode(reply, add_special_tokens=False)
         if len(ep.tokens) + len(env_ids) >= params.max_episode_tokens:
-            ep.finish = "length"
+            ep.finish = "overflow"  # the reply is not shown: the last turn had no answer
             return False
         ep.add(env_ids, False)
         row.pending, row.turn = [token, *env_ids], []

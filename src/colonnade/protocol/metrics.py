@@ -32,9 +32,11 @@ from colonnade.untrusted import SchemaError, is_int, is_number, need
 # rejected_{reason} (batches rejected, per reason) and
 # groups_rejected_{reason} (groups rejected, where the replay names a reason);
 # rewards_recomputed and rewards_trusted: episodes trained on whose reward
-# the trainer computed, or took from a trusted worker (train/trust.py).
+# the trainer computed, or took from a trusted worker (train/trust.py);
+# episodes_overflow: episodes trained on that ended because a tool reply
+# would have passed the episode's token budget (finish "overflow").
 COUNT_NAMES = ("batches_rejected", "batches_dropped_stale", "groups_rejected", "groups_replayed",
-               "rewards_recomputed", "rewards_trusted")  # fmt: skip
+               "rewards_recomputed", "rewards_trusted", "episodes_overflow")  # fmt: skip
 REJECTED_PREFIX = "rejected_"  # rejected_{reason}: batches rejected for that reason
 COUNT_PREFIXES = ("batches_from_", REJECTED_PREFIX, "groups_rejected_")
 
@@ -136,6 +138,7 @@ class WorkerRow:
     paced_seconds: float = 0.0  # idle: the demand had no slot for the version it runs
     unverified: int = 0  # documents read that the trainer did not sign (ignored)
     tool_failures: int = 0  # episodes ended because their tool service gave no reply
+    overflows: int = 0  # episodes ended because a tool reply would pass the token budget
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

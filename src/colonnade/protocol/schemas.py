@@ -33,7 +33,9 @@ from .keys import MAX_SLOT, PROTOCOL_VERSION, check_worker_id
 MAX_JSON_BYTES = 1 << 20  # run.json, meta.json, heartbeats
 MAX_BATCH_BYTES = 64 << 20  # a rollout batch, compressed and decompressed
 MAX_EPISODES = 4096
-FINISHES = ("done", "eos", "length", "tool")  # tool: its tool service gave no reply
+# tool: its tool service gave no reply; overflow: a tool reply would have
+# passed the episode's token budget, so the episode ended unanswered
+FINISHES = ("done", "eos", "length", "tool", "overflow")
 MAX_TOOL_REPLIES = 256  # signed replies of one episode
 MAX_REWARD = 1e6  # a worker's claimed reward, in size: the advantages divide by their spread
 

@@ -84,6 +84,7 @@ def _worker(rows: list[WorkerRow], accepted: dict[str, int], gate: dict | None, 
         "episodes_per_s": round(episodes / busy, 3) if busy else 0.0,
         "sync_bytes": sum(r.sync_bytes for r in rows),
         "store_errors": sum(r.store_errors for r in rows),
+        "overflows": sum(r.overflows for r in rows),
         "groups_accepted": accepted.get("groups", 0),
         "rejected": {k: n for k, n in accepted.items() if k != "groups"},
         "gate_masked_fraction": round(gate_figures(gate)[1], 5) if gate else None,
@@ -201,6 +202,8 @@ def _report(store, launch, spec: RunSpec | None, rows, versions, workers, consum
         "rollouts_dropped_stale": counts.get("batches_dropped_stale", 0),
         "rollouts_rejected": rejected,
         "groups_rejected": counts.get("groups_rejected", 0),
+        # Episodes trained on that a tool reply past the token budget ended.
+        "episodes_overflow": counts.get("episodes_overflow", 0),
         "rewards": _rewards(counts),
         "rejected_by_reason": {
             k.removeprefix(REJECTED_PREFIX): n

@@ -184,6 +184,7 @@ def render_html(report: dict) -> str:
     headline["patch bytes (median)"] = report["sync"]["patch_bytes_median"]
     headline["weight bytes synced (all workers)"] = report["sync"].get("worker_bytes_total")
     headline["rollouts unused"] = report.get("rollouts_unused")
+    headline["episodes ended by a tool reply past the budget"] = report.get("episodes_overflow", 0)
     headline["waste fraction"] = report.get("waste_fraction")
     rewards = report.get("rewards") or {}
     if rewards.get("trusted"):  # an environment the trainer cannot always rescore

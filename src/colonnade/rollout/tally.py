@@ -16,7 +16,8 @@ from colonnade.protocol.metrics import WorkerRow
 
 log = logging.getLogger("colonnade.worker")
 
-COUNTS = ("sync_bytes", "store_errors", "store_retries", "unverified", "tool_failures")
+COUNTS = ("sync_bytes", "store_errors", "store_retries", "unverified", "tool_failures",
+          "overflows")  # fmt: skip
 # sync = apply (download, patch, hash) + load (the changed tensors into the engine)
 SECONDS = ("sync_seconds", "apply_seconds", "load_seconds", "paced_seconds")
 

@@ -410,6 +410,7 @@ class Worker:
         reward = sum(r.score.reward for r in results) / len(results)
         stats = {"reward_claimed": reward, **tool_figures(results)}
         self.tally.counts["tool_failures"] += sum(bool(r.tool_failed) for r in results)
+        self.tally.counts["overflows"] += sum(r.episode.finish == "overflow" for r in results)
         return RolloutBatch(self.id, v, self.seq, groups, stats, engine.name, slot)
 
     def upload(self, batch: RolloutBatch) -> str:

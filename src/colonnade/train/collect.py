@@ -194,6 +194,7 @@ class Collector:
             return self._reject_group(g, worker, why, UNTRUSTED, stats)
         fresh.add(d)
         trust.count(samples, self.counts)
+        self.counts["episodes_overflow"] += sum(e.finish == "overflow" for e in g.episodes)
         for sample in samples:
             sample.worker = worker
         return samples, None
