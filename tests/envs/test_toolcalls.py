@@ -70,6 +70,9 @@ def test_a_template_with_tools_shows_them_and_honours_the_thinking_switch(qwen_t
     assert not render(qwen_tok, msgs, env.tools).endswith("</think>\n\n")  # the default
     ids = task_prompt(qwen_tok, env, env.tasks("train")[0])
     assert qwen_tok.decode(ids) == text  # env.thinking is False by default
+    thinks = load_environment("chattools", n_tasks=10, thinking=True)  # --env-arg thinking=true
+    ids = task_prompt(qwen_tok, thinks, thinks.tasks("train")[0])
+    assert not qwen_tok.decode(ids).endswith("</think>\n\n")
 
 
 def test_a_template_without_tools_gets_them_in_a_system_block(tiny):
