@@ -21,6 +21,10 @@ from colonnade.train.samples import Rejected, rebuild_episode
 PARAMS = SamplingParams(temperature=0, max_turn_tokens=64, max_episode_tokens=256)
 
 
+# The fixture teaches the tiny model two episodes first: minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
+
 def _call(item: str) -> str:
     return f'<tool_call>{{"name": "price", "arguments": {{"item": "{item}"}}}}</tool_call>'
 

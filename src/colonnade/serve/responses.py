@@ -29,7 +29,7 @@ from .requests import Job, Served
 
 # The engine's ends as OpenAI names them: a stop string ends the turn ("done",
 # the endpoint's responder ends every episode after one turn), EOS ends it.
-FINISH = {"done": "stop", "eos": "stop", "length": "length"}
+FINISH = {"done": "stop", "eos": "stop", "length": "length", "overflow": "length"}
 
 
 def _byte_decoder() -> dict[str, int]:
