@@ -15,7 +15,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-BUILTIN_ENVS = ("searchqa", "searchqa2", "smoke")
+BUILTIN_ENVS = ("searchqa", "searchqa2", "smoke", "chattools")
 ENV_FAMILIES = ("rg", "vf")  # `family:name`: rg:<dataset> of reasoning-gym, vf:<module>
 MODEL_PRESETS = ("tiny", "smollm2-135m")
 
