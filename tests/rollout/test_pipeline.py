@@ -271,7 +271,15 @@ def test_a_stage_refuses_a_forged_step(tiny_dir, tiny, tmp_path):
     store.put(keys.stage_key("w0", 5, 1, 0), pack_step(_message("g", 1, 0, [new], 2, 0, h)))
     cut = Op("select", 0, -1, 0, 0, np.array([3]))
     store.put(keys.stage_key("w0", 5, 1, 1), pack_step(_message("g", 1, 1, [cut], 1, 2, h)))
+    # Stream 2: a good step, then one of more rows than its cache holds.
+    store.put(keys.stage_key("w0", 5, 2, 0), pack_step(_message("g", 2, 0, [new], 2, 0, h)))
+    wide = _message("g", 2, 1, [], 1, 2, h)
+    wide.hidden, wide.positions = np.zeros((2, 1, h), np.float32), np.array([[2], [2]])
+    wide.real = np.ones((2, 3), bool)
+    store.put(keys.stage_key("w0", 5, 2, 1), pack_step(wide))
     server.poll_once()
     server.flush()
-    assert server.steps == 1 and server.broken == {0, 1}
-    assert store.list(keys.stage_dir("w1")) == [keys.stage_key("w1", 5, 1, 0)]
+    assert server.steps == 2 and server.broken == {0, 1, 2}
+    assert sorted(store.list(keys.stage_dir("w1"))) == [
+        keys.stage_key("w1", 5, 1, 0), keys.stage_key("w1", 5, 2, 0)
+    ]  # fmt: skip

@@ -457,7 +457,9 @@ class StageServer:
             step = unpack_step(raw, binding, self.hidden_size)
             caches.apply(step.ops)
             out = self._run(caches.get(step.cache), step)
-        except SchemaError as e:
+        except (ValueError, RuntimeError, IndexError) as e:
+            # SchemaError, or a step the caches cannot take (rows or columns
+            # that disagree with them): the stream's, never the stage's end.
             log.warning("stage %d: refused step %d of stream %d: %s", k + 1, seq, stream, e)
             self.broken.add(stream)  # its episodes are lost; the first stage times out
             return
