@@ -32,7 +32,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from colonnade.protocol import keys, latest_version
 from colonnade.protocol.inbox import list_inbox
 from colonnade.protocol.reader import open_run
 from colonnade.store import open_store
+from ports import free_port
 
 pytestmark = [pytest.mark.procs, pytest.mark.s3]
 
@@ -108,12 +108,6 @@ def _wait(cond, timeout: float, what: str, procs: dict[str, tuple[subprocess.Pop
             assert p.poll() is None, f"{what}: {name} exited\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> str:
@@ -219,7 +213,7 @@ def test_the_readmes_walkthrough_runs_command_by_command(tmp_path, seaweed, monk
         assert doc["version"] >= 2 and doc["workers_active"] == 2 and doc["done"] is False
 
         (exporter,) = steps["exporter"]
-        port = _free_port()
+        port = free_port()
         start(box, f"{exporter} --metrics-host 127.0.0.1 --metrics-port {port} --interval 1",
               "exporter")  # fmt: skip
         series = ['id="main",role="trainer"', *(f'id="{w}",role="worker"' for w in WORKERS)]

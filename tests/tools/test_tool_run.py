@@ -11,7 +11,6 @@ dropped is refused under its own reason.
 """
 
 import copy
-import socket
 import threading
 
 import pytest
@@ -30,16 +29,11 @@ from colonnade.tools.client import Retry, ToolClient
 from colonnade.tools.service import ToolService
 from colonnade.train.collect import Collector
 from colonnade.train.samples import rebuild_group
+from ports import free_port
 from toolproc import ServiceProcess
 
 RUN, WORKER, VERSION, SLOT, GROUP = "run7", "w1", 2, 5, 2
 PARAMS = SamplingParams(max_turn_tokens=8, max_episode_tokens=200)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rollout(tiny, env, n_tasks=4, retry=None):
@@ -95,7 +89,7 @@ def _kill_at(monkeypatch, svc: ServiceProcess, call: int, back_after: float | No
 @pytest.fixture
 def service(tmp_path):
     key, _ = new_keypair("tools", tmp_path / "keys")
-    svc = ServiceProcess("served_env", ["max_turns=3"], key, _free_port())
+    svc = ServiceProcess("served_env", ["max_turns=3"], key, free_port())
     yield svc.start()
     svc.kill()
 

@@ -4,7 +4,6 @@ what a step moves, what a checkpoint holds, and the same adapters on 2 ranks."""
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from colonnade.store import LocalStore
 from colonnade.train.checkpoint import Checkpointer
 from colonnade.train.distributed import Dist
 from colonnade.train.policy import build_policy, full_state, weights_as_published
+from ports import free_port
 
 SPEC = lora.LoraSpec(rank=4, alpha=12.0)  # scale 3: not a power of two on purpose
 
@@ -155,17 +155,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.procs
 def test_two_ranks_from_a_skeleton_train_the_same_adapters_as_one(tiny, tiny_dir, tmp_path):
     from safetensors.torch import load_file
 
-    mp.spawn(_rank, args=(2, _free_port(), str(tiny_dir), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), str(tiny_dir), str(tmp_path)), nprocs=2)
     got = load_file(str(tmp_path / "state.safetensors"))
     one, aliases = _policy(tiny, seed=3)
     _step(one, _opt(one), 0)

@@ -8,7 +8,6 @@ tied Llama and an untied Qwen3; a folder missing a weight is an error.
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from colonnade.model import load_model, skeleton, tied_aliases
 from colonnade.train.distributed import Dist
 from colonnade.train.policy import build_policy, full_state
 from mlx_archs import arch_tokenizer, tiny_model
+from ports import free_port
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -86,15 +86,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.procs
 def test_two_ranks_each_read_their_rows_and_gather_the_model(model_dir, tmp_path):
-    mp.spawn(_rank, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2)
     got = torch.load(tmp_path / "state.pt", weights_only=True)  # our own file, tensors only
     ref = _reference(model_dir)
     assert set(got) == set(ref)
