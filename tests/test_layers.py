@@ -6,9 +6,10 @@ itself):
 1. foundations: `choices` (the named choices several layers check) and
    `untrusted` (bounds and checks of input from strangers), which import
    nothing of colonnade and which every package may use; `background`,
-   `config`, `progress`, `store`, `tools` (an environment's tool served
-   over HTTP, its replies signed) (none imports another colonnade package
-   but those two), `envs` (which may also call a tool service), then `pulse`
+   `config`, `httpjson` (bounded JSON bodies over HTTP), `progress`,
+   `store`, `tools` (an environment's tool served over HTTP, its replies
+   signed, over httpjson) (none imports another colonnade package but
+   those two, and tools httpjson), `envs` (which may also call a tool service), then `pulse`
    (the weight codec) and `model` (the networks, over pulse's codes);
 2. `protocol`: everything the trainer and the workers share: keys, typed
    documents, the rollout batch, weight versions, the model files, the
@@ -44,7 +45,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "colonnade"
 
 BASE = {"choices", "untrusted"}  # import nothing; every package may import them
-FOUNDATIONS = BASE | {"background", "config", "progress", "store", "tools", "envs"}
+FOUNDATIONS = BASE | {"background", "config", "httpjson", "progress", "store", "tools", "envs"}
 _BELOW_PROTOCOL = FOUNDATIONS | {"pulse", "model"}
 _SIDE = _BELOW_PROTOCOL | {"protocol", "telemetry"}
 _RUN = _SIDE | {"engine", "rollout", "train", "report"}
@@ -53,6 +54,7 @@ _RUN = _SIDE | {"engine", "rollout", "train", "report"}
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in FOUNDATIONS - BASE},
     "envs": BASE | {"tools"},  # an environment's tool may be a service
+    "tools": BASE | {"httpjson"},  # a tool service answers as the endpoint does
     **{name: set() for name in BASE},
     "pulse": BASE,
     "model": BASE | {"pulse"},

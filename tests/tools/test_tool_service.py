@@ -2,6 +2,8 @@
 
 import json
 import socket
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -105,6 +107,22 @@ def test_a_call_the_service_refuses_is_not_retried(service):
     with pytest.raises(ToolFailed) as e:
         client.call(Call("run1", "t", ROW, 1, "x" * 5000))  # past the query bound
     assert e.value.reason == "refused" and "HTTP 400" in str(e.value) and client.retries == 0
+
+
+def test_a_body_past_the_bound_or_without_a_length_is_refused_unread(service):
+    from colonnade.tools.service import MAX_BODY_BYTES
+
+    url = service.url + "/v1/call"
+    big = urllib.request.Request(url, data=b"{" * (MAX_BODY_BYTES + 1), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(big, timeout=5)
+    assert e.value.code == 413 and "at most" in json.loads(e.value.read())["error"]
+    where = urllib.parse.urlsplit(service.url)
+    with socket.create_connection((where.hostname, where.port), timeout=5) as s:
+        s.sendall(b"POST /v1/call HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        head = s.recv(4096).decode()
+    assert head.startswith("HTTP/1.0 411") or head.startswith("HTTP/1.1 411"), head
+    assert service.answers == []
 
 
 def test_nobody_listening_is_unavailable_after_the_bounded_tries():

@@ -18,17 +18,16 @@ write; it adds no dependency.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from colonnade.untrusted import check_json
+from colonnade.httpjson import BodyRefused, JsonHandler
 
 from .batcher import Batcher, Busy
 from .requests import Job, RequestError, Served, chat_job, completion_job
@@ -116,7 +115,7 @@ class _Server(ThreadingHTTPServer):
             self.slots.release()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     server_version = "colonnade"
     timeout = 120  # seconds a connection may sit idle or send slowly
@@ -129,11 +128,11 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         endpoint = self.server.endpoint
         if path == "/v1/models":
-            self._send(200, models_response(endpoint.served, endpoint.created))
+            self.send_json(200, models_response(endpoint.served, endpoint.created))
         elif path == "/health":
-            self._send(200, {"status": "ok"})
+            self.send_json(200, {"status": "ok"})
         else:
-            self._send(404, error_body(f"no route GET {path}", "not_found_error"))
+            self.send_json(404, error_body(f"no route GET {path}", "not_found_error"))
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
@@ -141,43 +140,24 @@ class _Handler(BaseHTTPRequestHandler):
             if path not in ROUTES:
                 raise RequestError(f"no route POST {path}", None, 404, "not_found_error")
             body = self._body()
-            self._send(200, self.server.endpoint.answer(path, body))
+            self.send_json(200, self.server.endpoint.answer(path, body))
         except RequestError as e:
-            self._send(e.status, error_body(str(e), e.kind, e.param, e.code))
+            self.send_json(e.status, error_body(str(e), e.kind, e.param, e.code))
         except Busy as e:
-            self._send(503, error_body(str(e), "overloaded_error"))
+            self.send_json(503, error_body(str(e), "overloaded_error"))
         except TimeoutError as e:
-            self._send(504, error_body(str(e), "timeout_error"))
+            self.send_json(504, error_body(str(e), "timeout_error"))
         except Exception as e:
             log.exception("POST %s failed", path)
-            self._send(500, error_body(f"the engine failed: {type(e).__name__}", "server_error"))
+            self.send_json(
+                500, error_body(f"the engine failed: {type(e).__name__}", "server_error")
+            )
 
     def _body(self) -> Any:
         """The request's JSON, read within the bounds."""
-        limit = self.server.endpoint.served.bounds.max_body_bytes
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length is None:
-            self.close_connection = True
-            raise RequestError("send the body with a Content-Length", None, 411)
-        if not length.isdigit() or int(length) > limit:
-            self.close_connection = True  # the body is left unread
-            raise RequestError(f"the body must be at most {limit} bytes", None, 413)
-        data = self.rfile.read(int(length))
         try:
-            check_json(data, limit)
-            return json.loads(data)
+            return self.read_json(self.server.endpoint.served.bounds.max_body_bytes)
+        except BodyRefused as e:
+            raise RequestError(str(e), None, e.status) from None
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise RequestError(f"the body is not JSON the server reads: {e}") from None
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client left: its answer goes nowhere

@@ -21,18 +21,18 @@ connection has a thread; the tool itself must be safe to call from several.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from colonnade.untrusted import SchemaError, check_json
+from colonnade.httpjson import BodyRefused, JsonHandler
+from colonnade.untrusted import SchemaError
 
 from .signed import Call, Reply, key_hex, sign_reply
 
@@ -95,7 +95,7 @@ class _Server(ThreadingHTTPServer):
     service: ToolService
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     server_version = "colonnade-tools"
     timeout = 60  # seconds a connection may sit idle or send slowly
@@ -107,61 +107,30 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path, service = urlsplit(self.path).path, self.server.service
         if path == "/v1/key":
-            self._send(200, {"public_key": service.public_hex})
+            self.send_json(200, {"public_key": service.public_hex})
         elif path == "/health":
-            self._send(200, {"status": "ok", "calls": service.calls})
+            self.send_json(200, {"status": "ok", "calls": service.calls})
         else:
-            self._send(404, {"error": f"no route GET {path}"})
+            self.send_json(404, {"error": f"no route GET {path}"})
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
         if path != "/v1/call":
-            self._send(404, {"error": f"no route POST {path}"})
+            self.send_json(404, {"error": f"no route POST {path}"})
             return
         try:
-            call = Call.from_dict(self._body())
-        except _Refused as e:
-            self._send(e.status, {"error": str(e)})
+            call = Call.from_dict(self.read_json(MAX_BODY_BYTES))
+        except BodyRefused as e:
+            self.send_json(e.status, {"error": str(e)})
             return
         except (SchemaError, ValueError) as e:
-            self._send(400, {"error": f"not a call: {str(e)[:200]}"})
+            self.send_json(400, {"error": f"not a call: {str(e)[:200]}"})
             return
         try:
-            self._send(200, self.server.service.reply(call).to_dict())
+            self.send_json(200, self.server.service.reply(call).to_dict())
         except SchemaError as e:  # the tool's result is out of bounds
             log.warning("a result out of bounds for %r: %s", call.query[:80], e)
-            self._send(500, {"error": f"the tool's result: {str(e)[:200]}"})
+            self.send_json(500, {"error": f"the tool's result: {str(e)[:200]}"})
         except Exception as e:  # the tool's own failure: the client may try again
             log.exception("the tool failed on %r", call.query[:80])
-            self._send(500, {"error": f"the tool failed: {type(e).__name__}"})
-
-    def _body(self) -> Any:
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length is None:
-            self.close_connection = True
-            raise _Refused(411, "send the body with a Content-Length")
-        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            self.close_connection = True  # the body is left unread
-            raise _Refused(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
-        data = self.rfile.read(int(length))
-        check_json(data, MAX_BODY_BYTES)
-        return json.loads(data)
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client left: its answer goes nowhere
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, text: str):
-        super().__init__(text)
-        self.status = status
+            self.send_json(500, {"error": f"the tool failed: {type(e).__name__}"})
