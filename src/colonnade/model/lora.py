@@ -1,13 +1,13 @@
 """LoRA: low-rank adapters on a frozen base, named the way PEFT names them.
 
 A target linear `m` gains two bias-free children, `m.lora_A` (in → r) and
-`m.lora_B` (r → out), and returns base(x) + scale · B(A(x)), scale =
-alpha / r. The trainer trains A and B alone. What it publishes is A and
-scale · B (the scale folded in, `fold_scale`), in bf16 beside the int8
-base: a worker runs base(x) + B'(A(x)) with no LoRA settings of its own,
-and the update a version makes is the low-rank ΔW = B'A, which only the
-adapters' patch carries. Engines keep the adapters unmerged: merged into
-the base they would change every int8 row, every version.
+`m.lora_B` (r → out), and returns base(x) + scale · B(A(x)), scale = alpha
+/ r. The trainer trains A and B alone. What it publishes is A and scale ·
+B (the scale folded in by `train.policy.full_state`), in bf16 beside the
+int8 base: a worker runs base(x) + B'(A(x)) with no LoRA settings of its
+own, and the update a version makes is the low-rank ΔW = B'A, which only
+the adapters' patch carries. Engines keep the adapters unmerged: merged
+into the base they would change every int8 row, every version.
 
 Tensor names: `{module}.lora_A.weight` [r, in] and `{module}.lora_B.weight`
 [out, r], as in PEFT's `adapter_model.safetensors` without its
@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from colonnade.choices import LORA_TARGETS
-from colonnade.pulse.quant import ADAPTER_MARKS, is_adapter
+from colonnade.pulse.quant import is_adapter
 
 TARGETS = LORA_TARGETS
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
-__all__ = ["ADAPTER_MARKS", "TARGETS", "LoraSpec", "is_adapter"]
+__all__ = ["TARGETS", "LoraSpec", "is_adapter"]
 
 
 @dataclass(frozen=True)
@@ -122,23 +122,12 @@ def init_adapters(model: nn.Module, seed: int) -> None:
                     w.copy_(made)
 
 
-def adapters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors of `model`'s state, by state name."""
-    return {k: v for k, v in model.state_dict().items() if is_adapter(k)}
-
-
 def scale_of(model: nn.Module) -> float | None:
     """The scale of `model`'s adapters, None where it has none."""
     for m in model.modules():
         if hasattr(m, "lora_scale"):
             return float(m.lora_scale)
     return None
-
-
-def fold_scale(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """`state` as published: every B multiplied by the scale (A and the
-    base as they are)."""
-    return {k: (v * scale if k.endswith(B_SUFFIX) else v) for k, v in state.items()}
 
 
 def adapted(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
