@@ -178,6 +178,21 @@ def test_apply_leaves_base_untouched_and_shares_unchanged():
     assert out["b"] is old["b"]
 
 
+def test_a_tensor_shared_by_both_states_is_unchanged_without_a_compare(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    kept = torch.randn(64, 64, generator=gen)
+    old = {"base": kept, "adapter": torch.randn(8, 64, generator=gen)}
+    new = {"base": kept, "adapter": old["adapter"] * 2}
+    same_bits = {"base": kept.clone(), "adapter": new["adapter"]}
+    expected = encode(old, same_bits, precision="exact")[0]
+    compared = []
+    changes = codec_mod._encode_changes
+    monkeypatch.setattr(codec_mod, "_encode_changes",
+                        lambda name, *a: compared.append(name) or changes(name, *a))  # fmt: skip
+    patch = encode(old, new, precision="exact")[0]
+    assert compared == ["adapter"] and patch == expected  # the same patch, base not read
+
+
 def test_scales_keep_16_bits_so_every_code_times_scale_is_exact():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen) * torch.logspace(-4, 1, 64)[:, None]

@@ -193,6 +193,8 @@ def _on_device(old: torch.Tensor, new: torch.Tensor) -> bool:
 def _encode_tensor(name: str, old_state: State, new: torch.Tensor):
     """(entry, blocks, changed elements) for one tensor of the new state, or None."""
     old = old_state.get(name)
+    if old is new:  # the same tensor (a LoRA run's kept base): no element to compare
+        return None
     if old is None or old.dtype != new.dtype or old.shape != new.shape:
         entry, blocks = _full_entry(name, new)
         return entry, blocks, new.numel()
