@@ -89,6 +89,11 @@ def test_drill_steps_default_per_model_and_task_and_count_in_the_total():
     # The drill is part of what the cache key covers.
     a, b = WarmstartConfig(drill_steps=10), WarmstartConfig(drill_steps=20)
     assert a.key("/x/base") != b.key("/x/base")
+    # A tool service's address and key are not: the corpus arguments are.
+    there = {"n_clusters": 40, "service": "http://a:1", "service_key": "00" * 32}
+    moved = {**there, "service": "http://b:2", "service_key": "11" * 32}
+    keyed = [WarmstartConfig(env_kwargs=k).key("/x/base") for k in (there, moved)]
+    assert keyed[0] == keyed[1] != WarmstartConfig(env_kwargs={"n_clusters": 41}).key("/x/base")
 
 
 def test_practice_needs_an_env_that_can_practise():

@@ -33,6 +33,8 @@ from .client import Retry, ToolClient, ToolFailed
 from .signed import Call, Reply, public_key
 
 log = logging.getLogger("colonnade.tools")
+# The environment arguments that say where its service is, not what it answers.
+ADDRESS_ARGS = ("service", "service_key")
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ import torch
 from colonnade.envs import Demonstrating, Practising, load_environment, tokenizer_texts_of
 from colonnade.model import load_model, resolve_model
 from colonnade.model.loading import READY, build_once, cache_root
+from colonnade.tools.served import ADDRESS_ARGS
 
 from .sft import copy_drill, demonstrations, train_sft
 
@@ -84,6 +85,11 @@ class WarmstartConfig:
 
     def key(self, base_path: str) -> str:
         facts = {**dataclasses.asdict(self.resolved()), "base": Path(base_path).name}
+        # Where a tool service is and its key say where the answers come
+        # from, not what they are: a run against the same corpus at another
+        # address reuses the warm start.
+        kwargs = facts["env_kwargs"]
+        facts["env_kwargs"] = {k: v for k, v in kwargs.items() if k not in ADDRESS_ARGS}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
