@@ -9,7 +9,9 @@ A new backend joins by adding a case to `CASES` (and its module to
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import pytest
@@ -512,3 +514,97 @@ def test_each_streamed_episode_keeps_its_own_limits(case):
     other = replace(base, temperature=base.temperature + 0.5)
     with pytest.raises(ValueError, match="distribution"):
         engine.run(_Arriving({0: [Admission(prompts[0], lambda t: None, keys[0], other)]}), base)
+
+
+def _late(respond, pool, delay):
+    """`respond`, its replies handed back as Futures that come after `delay` s."""
+
+    def late(text):
+        return pool.submit(lambda: (time.sleep(delay), respond(text))[1])
+
+    return late
+
+
+@pytest.mark.parametrize("max_rows", [0, 5])
+def test_replies_that_come_late_give_the_episodes_of_replies_at_once(case, max_rows):
+    # Rows park while their reply is on its way, the others decode, and each
+    # rejoins when its reply comes, in whatever order: the same episodes.
+    engine = case.engine
+    prompts = _groups(engine.tokenizer, 2)
+    keys = seeded_keys(5, len(prompts))
+    params = _streamed_params(case, max_turn_tokens=5, max_episode_tokens=60)
+    turns = lambda i: 1 + i % 3  # noqa: E731
+    at_once = engine.generate(prompts, _responders(len(prompts), turns), params,
+                              max_rows=max_rows, keys=keys)  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        responders = [
+            _late(r, pool, 0.002 * (i % 4)) for i, r in enumerate(_responders(len(prompts), turns))
+        ]
+        late = engine.generate(prompts, responders, params, max_rows=max_rows, keys=keys)
+    assert sum(not m for ep in late for m in ep.from_model) > 0  # replies were shown
+    for a, b in zip(at_once, late, strict=True):
+        _same(a, b, case.tol)
+
+
+def test_rows_keep_decoding_while_one_waits_for_its_reply(case, monkeypatch):
+    # Row 0's first reply comes only once every other episode has ended: a
+    # loop that waited for it in place would never end.
+    engine = case.engine
+    prompts = _prompts(engine.tokenizer)
+    keys = seeded_keys(6, len(prompts))
+    params = _streamed_params(case, max_turn_tokens=5, max_episode_tokens=60, ignore_eos=True)
+    gate: Future = Future()
+    others_done = []
+    rows = []
+    sample = Session.sample
+
+    def counted(session, chunks, p, d):
+        rows.append(len(chunks))
+        return sample(session, chunks, p, d)
+
+    monkeypatch.setattr(Session, "sample", counted)
+
+    def first_row():
+        seen = []
+
+        def respond(text):
+            seen.append(text)
+            return gate if len(seen) == 1 else None
+
+        return respond
+
+    def other_row():
+        inner = _replies(2)
+
+        def respond(text):
+            reply = inner(text)
+            if reply is None:
+                others_done.append(1)
+                if len(others_done) == len(prompts) - 1:
+                    gate.set_result(REPLY)
+            return reply
+
+        return respond
+
+    responders = [first_row()] + [other_row() for _ in prompts[1:]]
+    eps = engine.generate(prompts, responders, params, keys=keys)
+    # The others ran on, and ended, while row 0 waited out of the batch.
+    assert gate.done() and 1 in rows and rows[0] == len(prompts)
+    assert eps[0].finish == "done" and len(eps[0].turns) == 2
+    waited = engine.generate(prompts[:1], [_replies(2)], params, keys=keys[:1])[0]
+    _same(eps[0], waited, case.tol)
+    for ep, p, k in zip(eps[1:], prompts[1:], keys[1:], strict=True):
+        _same(ep, engine.generate([p], [_replies(2)], params, keys=[k])[0], case.tol)
+
+
+def test_a_late_reply_that_ends_or_overflows_the_episode_ends_it(case):
+    engine = case.engine
+    prompts = _prompts(engine.tokenizer)[:2]
+    keys = seeded_keys(7, 2)
+    params = _streamed_params(case, max_turn_tokens=5, max_episode_tokens=12, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
+        ends = _late(lambda t: None, pool, 0.01)
+        floods = _late(lambda t: REPLY * 4, pool, 0.01)
+        done, flooded = engine.generate(prompts, [ends, floods], params, keys=keys)
+    assert (done.finish, flooded.finish) == ("done", "overflow")
+    assert all(done.from_model) and all(flooded.from_model) and len(flooded.turns) == 1

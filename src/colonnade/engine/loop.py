@@ -8,6 +8,13 @@ rows leave the cache, waiting rows take their places). The forward pass and
 its cache are the backend's (`backend.py`); the cuts on a running batch are
 the session's (`session.py`).
 
+A reply that is not ready (a tool service's, which the responder returns
+as a `Future`) parks its row: the row leaves the running batch with a copy
+of its cache, the other rows keep decoding, and it rejoins the batch (as a
+new row would) once the reply has come. A row's draws follow from its key
+and its position in the episode, never from the rows beside it, so an
+episode is the same whether its replies came at once or late.
+
 Where episodes come from is a `Source`, asked before every step for the
 episodes that start now (`Engine.run`): a fixed list (`Engine.generate`,
 the worker's and the evaluations' path) or requests arriving while others
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -34,8 +43,14 @@ from .backend import Backend
 from .sampling import SamplingParams
 from .session import Session
 
-# turn text (up to its stop string) -> environment text to append, or None to end
-Responder = Callable[[str], "str | None"]
+# turn text (up to its stop string) -> environment text to append, or None
+# to end; or a Future of either, for a reply that takes a while (a service's):
+# the row waits out of the batch while the others decode.
+Responder = Callable[[str], "str | Future[str | None] | None"]
+
+# How long an idle loop waits for a parked row's reply before looking again
+# (the responder's own timeouts bound the wait; this only paces the looks).
+PARKED_WAIT_S = 1.0
 
 
 @dataclass
@@ -107,6 +122,7 @@ class _Row:
     done: Callable[[Episode], None] | None = None
     turn: list[int] = field(default_factory=list)
     origin: int = 0  # `Admission.origin`
+    waiting: Future | None = None  # the reply its last turn awaits (parked)
 
     def draw(self) -> float:
         """The draw for the token this row samples next (at its episode position)."""
@@ -277,16 +293,20 @@ class Engine:
         live: list[_Row | None] = []
         session: Session | None = None
         prefixes: dict[tuple[int, ...], Session] = {}  # prompts still to come
+        parked: list[tuple[_Row, Session]] = []  # rows awaiting a reply, their caches
         while True:
-            # Fill the free rows from the source, in order (rows of one
-            # prompt still share one prefill), all admitted rows prefilled
-            # together.
-            free = [i for i, r in enumerate(live) if r is None]
-            busy = len(live) - len(free)
-            room = max_rows - busy if max_rows else None
-            handed = source.admit(room, busy == 0) if room != 0 else []
-            if busy == 0 and not handed:
-                return
+            # Rows whose reply came go on (or end, on that reply) first.
+            back = self._returned(parked)
+            busy = sum(r is not None for r in live)
+            # Parked rows keep their caches: they count against `max_rows`.
+            room = max_rows - busy - len(parked) - len(back) if max_rows else None
+            idle = busy == 0 and not parked and not back
+            handed = source.admit(room, idle) if room is None or room > 0 else []
+            if busy == 0 and not handed and not back:
+                if not parked:
+                    return
+                wait_any([r.waiting for r, _ in parked], PARKED_WAIT_S, FIRST_COMPLETED)
+                continue
             admit = [self._row(a, params, matchers) for a in handed]
             if admit:
                 share = share_prefix and all(len(r.pending) >= 2 for r in admit)
@@ -294,30 +314,67 @@ class Engine:
                 if share and prefixes:
                     wanted = source.upcoming()
                     prefixes = {p: s for p, s in prefixes.items() if p in wanted}
-                if session is None:
-                    session, live = part, list(admit)
-                elif len(admit) <= len(free) and session.place(free[: len(admit)], part):
-                    # Ended rows' places taken in place: no copy of the cache.
-                    for slot, row in zip(free, admit, strict=False):
-                        live[slot] = row
-                else:
-                    self._drop_ended(session, live)
-                    session.extend(part)
-                    live.extend(admit)
+                session, live = self._joined(session, live, part, admit)
+            if back:
+                part = back[0][1]
+                for _, other in back[1:]:
+                    part.extend(other)
+                session, live = self._joined(session, live, part, [r for r, _ in back])
+            assert session is not None
             if None in live:
                 self._drop_ended(session, live)
             if split_replies:
                 _split_replies(session, live)
             draws = np.array([r.draw() for r in live])
             got = session.sample([r.pending for r in live], params, draws)
+            waiting = []
             for i, row in enumerate(live):
                 taken = (int(got.tokens[i]), float(got.logprobs[i]), float(got.below[i]))
                 if not self._advance(row, *taken):
                     live[i] = None
                     if row.done is not None:
                         row.done(row.episode)
+                elif row.waiting is not None:
+                    waiting.append(i)
+            for i in waiting:  # its cache leaves with it; its place frees up
+                parked.append((live[i], session.take([i])))
+                live[i] = None
             if all(r is None for r in live):
                 live, session = [], None
+
+    def _joined(
+        self, session: Session | None, live: list[_Row | None], part: Session, rows: list[_Row]
+    ) -> tuple[Session, list[_Row | None]]:
+        """`rows` (in `part`, prefilled) into the running batch: in ended
+        rows' places where they fit, else appended."""
+        if session is None:
+            return part, list(rows)
+        free = [i for i, r in enumerate(live) if r is None]
+        if len(rows) <= len(free) and session.place(free[: len(rows)], part):
+            # Ended rows' places taken in place: no copy of the cache.
+            for slot, row in zip(free, rows, strict=False):
+                live[slot] = row
+            return session, live
+        self._drop_ended(session, live)
+        session.extend(part)
+        live.extend(rows)
+        return session, live
+
+    def _returned(self, parked: list[tuple[_Row, Session]]) -> list[tuple[_Row, Session]]:
+        """The parked rows whose reply has come and that go on, taken out of
+        `parked`; those the reply ends are handed to their `done`."""
+        back, still = [], []
+        for row, cache in parked:
+            if not row.waiting.done():
+                still.append((row, cache))
+                continue
+            reply, row.waiting = row.waiting.result(), None
+            if self._replied(row, row.pending[0], reply):
+                back.append((row, cache))
+            elif row.done is not None:
+                row.done(row.episode)
+        parked[:] = still
+        return back
 
     def _row(self, episode: Admission, params: SamplingParams, matchers: dict) -> _Row:
         limits = episode.limits or params
@@ -385,11 +442,20 @@ class Engine:
         text = stops.cut(self.tokenizer.decode(row.turn, skip_special_tokens=True))
         ep.turns.append(text)
         reply = row.respond(text)
+        if isinstance(reply, Future):  # parked until it comes (`run`)
+            row.waiting, row.pending = reply, [token]
+            return True
+        return self._replied(row, token, reply)
+
+    def _replied(self, row: _Row, token: int, reply: str | None) -> bool:
+        """The environment's reply to the turn that ended on `token`; False
+        when it ends the episode."""
+        ep = row.episode
         if reply is None:
             ep.finish = "done"
             return False
         env_ids = self.tokenizer.encode(reply, add_special_tokens=False)
-        if len(ep.tokens) + len(env_ids) >= params.max_episode_tokens:
+        if len(ep.tokens) + len(env_ids) >= row.limits.max_episode_tokens:
             ep.finish = "overflow"  # the reply is not shown: the last turn had no answer
             return False
         ep.add(env_ids, False)
