@@ -12,7 +12,9 @@ template renders (`protocol.turns.chat_reply`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from colonnade.engine import Engine, Episode
@@ -29,6 +31,8 @@ from colonnade.tools.client import Retry
 from colonnade.tools.served import EpisodeTools, client_for, served
 from colonnade.tools.signed import Reply
 
+MAX_CALLS_OUT = 64  # a worker's tool calls in flight at once
+
 
 @dataclass
 class Result:
@@ -43,7 +47,7 @@ def _responder(env: Environment, task: Task, tools: EpisodeTools | None = None, 
     turns: list[str] = []
     chat = chat_format(env)
 
-    def respond(text: str) -> str | None:
+    def respond(text: str) -> str | Future[str | None] | None:
         turns.append(text)
         if tools is not None:
             return tools.respond(list(turns))
@@ -93,6 +97,7 @@ def run_episodes(
     keys: Sequence[bytes] | None = None,
     run_id: str = "",
     retry: Retry | None = None,
+    async_tools: bool = True,
 ) -> list[Result]:
     """One episode per task (repeat a task in `tasks` for a group), scored.
 
@@ -100,7 +105,10 @@ def run_episodes(
     episode) as in `Engine.generate`: a group's copies of a task must be
     consecutive in `tasks` to share their prefill. A served environment's
     calls name `run_id` and each episode's draw key (its row); `retry`:
-    how long a call may take (tools/client.py). An environment that runs
+    how long a call may take (tools/client.py). With `async_tools`, a row
+    whose call is out waits beside the batch while the other rows decode
+    (engine/loop.py); without, the whole batch waits for each call. An
+    environment that runs
     its own loop over an OpenAI API (`vf:NAME`) runs it against an endpoint
     over `engine` (`endpoint.py`).
     """
@@ -113,15 +121,21 @@ def run_episodes(
     if keys is None:
         keys = seeded_keys(seed, len(tasks))
     tools: list[EpisodeTools | None] = [None] * len(tasks)
-    if served(env):
-        client = client_for(env, retry)
-        tools = [
-            EpisodeTools(env, t, client, run_id, k.hex()) for t, k in zip(tasks, keys, strict=True)
+    with contextlib.ExitStack() as stack:
+        if served(env):
+            client = client_for(env, retry)
+            pool = None
+            if async_tools:
+                threads = min(len(tasks), MAX_CALLS_OUT)
+                pool = stack.enter_context(ThreadPoolExecutor(threads, "tool-call"))
+            tools = [
+                EpisodeTools(env, t, client, run_id, k.hex(), pool)
+                for t, k in zip(tasks, keys, strict=True)
+            ]
+        responders = [
+            _responder(env, t, x, engine.tokenizer) for t, x in zip(tasks, tools, strict=True)
         ]
-    responders = [
-        _responder(env, t, x, engine.tokenizer) for t, x in zip(tasks, tools, strict=True)
-    ]
-    episodes = engine.generate(
-        prompts, responders, params, seed, max_rows, share_prefix, split_replies, keys
-    )
+        episodes = engine.generate(
+            prompts, responders, params, seed, max_rows, share_prefix, split_replies, keys
+        )
     return [_result(env, t, ep, x) for t, ep, x in zip(tasks, episodes, tools, strict=True)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -69,20 +70,25 @@ class ToolClient:
     sleep: Callable[[float], None] = time.sleep
     retries: int = 0  # tries that failed and were tried again
     failures: int = 0  # calls that gave up
+    # Calls run on several threads at once (a worker's rows wait in parallel).
+    _counts: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def call(self, call: Call) -> Reply:
-        """The service's verified reply to `call`; ToolFailed once retries run out."""
+        """The service's verified reply to `call`; ToolFailed once retries run
+        out. Safe to call from several threads."""
         for attempt in range(self.retry.tries):
             try:
                 return self._checked(call, self._post(call))
             except ToolFailed as e:
                 if e.reason != "unavailable" or attempt + 1 == self.retry.tries:
-                    self.failures += 1
+                    with self._counts:
+                        self.failures += 1
                     raise
                 wait = self.retry.wait(attempt)
                 log.warning("tool service %s (try %d of %d): %s; again in %.1f s", self.url,
                             attempt + 1, self.retry.tries, e, wait)  # fmt: skip
-                self.retries += 1
+                with self._counts:
+                    self.retries += 1
                 self.sleep(wait)
         raise AssertionError("unreachable")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from typing import Any, Protocol, runtime_checkable
 
 from .client import Retry, ToolClient, ToolFailed
@@ -68,24 +69,33 @@ def score(env: Any, task, turns: Sequence[str], results: Sequence[Any] | None):
 
 class EpisodeTools:
     """One episode's replies on a worker: served turns asked of the service
-    with the episode's place in the run, the others answered by `env`."""
+    with the episode's place in the run, the others answered by `env`.
 
-    def __init__(self, env: Served, task, client: ToolClient, run: str, row: str):
+    With a `pool`, a served turn's reply is a Future run on it: the engine
+    parks the row while the call is out (engine/loop.py)."""
+
+    def __init__(self, env: Served, task, client: ToolClient, run: str, row: str,
+                 pool: Executor | None = None) -> None:  # fmt: skip
         self.env, self.task, self.client = env, task, client
-        self.run, self.row = run, row
+        self.run, self.row, self.pool = run, row, pool
         self.replies: list[Reply] = []  # the signed replies, one per served turn
         self.failed = ""  # why the tool gave no reply ("": it always did)
 
-    def respond(self, turns: Sequence[str]) -> str | None:
+    def respond(self, turns: Sequence[str]) -> str | Future[str | None] | None:
         query = self.env.tool_query(self.task, turns)
         if query is None:
             return self.env.respond(self.task, list(turns))
         call = Call(self.run, self.task.id, self.row, len(turns), query)
+        if self.pool is None:
+            return self._asked(call, list(turns))
+        return self.pool.submit(self._asked, call, list(turns))
+
+    def _asked(self, call: Call, turns: list[str]) -> str | None:
         try:
             reply = self.client.call(call)
         except ToolFailed as e:
             log.warning("tool call for %s turn %d failed, episode ended: %s", self.task.id,
-                        len(turns), e)  # fmt: skip
+                        call.turn, e)  # fmt: skip
             self.failed = e.reason
             return None
         self.replies.append(reply)
