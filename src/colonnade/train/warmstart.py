@@ -42,6 +42,10 @@ MODEL_DEFAULTS = {
 # over the model's defaults; `env_defaults` reads them.
 # Copy exercises are short, so a drill step takes many at a high rate.
 DRILL_BATCH, DRILL_LR = 64, 3e-3
+# Demos made for a stage: a warm start takes a few hundred, and a corpus 100×
+# the built-in one would otherwise make (served: ask the service for) one of
+# every train task. Above the built-in corpus's train split.
+MAX_DEMO_TASKS = 4096
 
 
 @dataclass
@@ -161,7 +165,7 @@ def warmstart(
         summary = {
             "losses_first_last": [losses[0], losses[-1]],
             "seconds": round(time.perf_counter() - t0, 1),
-            "examples": len(demo_env.tasks("train")),
+            "examples": min(len(demo_env.tasks("train")), MAX_DEMO_TASKS),
         }
         (tmp / "warmstart.json").write_text(
             json.dumps({"config": dataclasses.asdict(cfg), "base": base, **summary}, indent=1)
@@ -191,7 +195,7 @@ def _stages(cfg: WarmstartConfig, env, demo_env, tok):
     stages = ((1.0, skill, 0, cfg.lr), (cfg.good_fraction, cfg.steps - skill, skill, cfg.mix_lr))
     for fraction, steps, done, lr in stages:
         if steps > 0:
-            tasks = demo_env.tasks("train")
+            tasks = list(demo_env.tasks("train"))[:MAX_DEMO_TASKS]
             demos = demonstrations(tok, demo_env, tasks, fraction, cfg.seed + done)
             yield demos, steps, cfg.batch_size, lr, drill + done
 
