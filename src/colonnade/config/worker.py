@@ -2,6 +2,13 @@
 
 Everything else a worker needs (environment, sampling, group size,
 precision) comes from the run's run.json, written by the trainer.
+
+A model bigger than one worker runs as a pipeline group: N workers, each
+started with `stage` K/N and the same `stage_group`, the group's worker ids
+in stage order (docs/operating.md). Every stage of a group is told the
+whole group, so each knows whom it reads from and writes for, and a stage
+started with another list is refused by the others (the list names the
+group in every message).
 """
 
 from __future__ import annotations
@@ -57,6 +64,25 @@ class WorkerConfig:
         "authentication)",
     )
     key: str = setting("", "private key file from `colonnade keys new` (signs batches)")
+    stage: str = setting(
+        "",
+        "this worker's stage of a pipeline group, K/N (stage K of N, from 1): it holds about "
+        "1/N of the model's layers; stage 1 claims and uploads the group's batches (unset: "
+        "the whole model)",
+    )
+    stage_group: str = setting(
+        "",
+        "the pipeline group's worker ids in stage order, comma separated; this worker's --id "
+        "is the K-th, and every stage of the group is started with the same list",
+    )
+    stage_in_flight: int = setting(
+        2, "micro-batches a pipeline's first stage keeps in flight, so the stages work at once"
+    )
+    stage_timeout: float = setting(
+        120.0,
+        "seconds a pipeline's first stage waits for the last stage's reply before it gives "
+        "the batch up (a stage that died)",
+    )
     threads: int = setting(
         0,
         "torch's intra-op threads, which the engine computes with (0: torch's default, one "
@@ -73,3 +99,42 @@ class WorkerConfig:
             raise ValueError("join_timeout must be > 0")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
+        if self.stage or self.stage_group:
+            self.pipeline()
+
+    def pipeline(self) -> tuple[int, tuple[str, ...]] | None:
+        """(this worker's stage from 0, the group's ids in stage order), or
+        None for a whole-model worker; a ValueError for a group no stage can
+        run in."""
+        if not (self.stage or self.stage_group):
+            return None
+        if not (self.stage and self.stage_group):
+            raise ValueError("a pipeline stage takes both --stage K/N and --stage-group ID1,...")
+        k, n = parse_stage(self.stage)
+        ids = tuple(w.strip() for w in self.stage_group.split(","))
+        if n < 2:
+            raise ValueError(f"--stage {self.stage}: a pipeline has 2 stages or more")
+        if len(ids) != n or not all(ids):
+            raise ValueError(
+                f"--stage-group names {len(ids)} worker(s) for {n} stages: one id a stage"
+            )
+        if len(set(ids)) != n:
+            raise ValueError("--stage-group names a worker twice")
+        if self.id and self.id != ids[k]:
+            raise ValueError(f"--id {self.id!r} but stage {k + 1} of --stage-group is {ids[k]!r}")
+        if self.engine == "mlx":
+            raise ValueError("pipeline stages run on the torch engine, not mlx")
+        if self.stage_in_flight < 1 or not self.stage_timeout > 0:
+            raise ValueError("stage_in_flight must be >= 1 and stage_timeout > 0")
+        return k, ids
+
+
+def parse_stage(text: str) -> tuple[int, int]:
+    """(index from 0, count) of a `K/N` stage name, K counted from 1."""
+    k, sep, n = text.partition("/")
+    if not sep or not k.strip().isdigit() or not n.strip().isdigit():
+        raise ValueError(f"a stage is K/N (stage K of N, from 1), not {text!r}")
+    k_, n_ = int(k), int(n)
+    if not 1 <= k_ <= n_:
+        raise ValueError(f"stage {text!r}: K must be 1 .. N")
+    return k_ - 1, n_

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from colonnade.config.worker import parse_stage as parse_stage  # the settings read it
 from colonnade.model import tied_aliases
 from colonnade.model.loading import params_on_meta
 from colonnade.pulse.quant import SCALE_SUFFIX
@@ -83,17 +84,6 @@ class Stage:
     @property
     def layers(self) -> int:
         return self.stop - self.start
-
-
-def parse_stage(text: str) -> tuple[int, int]:
-    """(index from 0, count) of a `K/N` stage name, K counted from 1."""
-    k, sep, n = text.partition("/")
-    if not sep or not k.strip().isdigit() or not n.strip().isdigit():
-        raise ValueError(f"a stage is K/N (stage K of N, from 1), not {text!r}")
-    k_, n_ = int(k), int(n)
-    if not 1 <= k_ <= n_:
-        raise ValueError(f"stage {text!r}: K must be 1 .. N")
-    return k_ - 1, n_
 
 
 def _decoder(model: nn.Module) -> nn.Module:
