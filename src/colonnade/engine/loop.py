@@ -278,7 +278,9 @@ class Engine:
         within each admission's limits (`params`' where it names none).
 
         Before every step the source is asked for the episodes that start
-        now, as many as there are free places (`max_rows`; 0: no bound):
+        now, as many as there are free places (`max_rows`; 0: no bound; a
+        row parked while it awaits a reply frees its place, and at most
+        `max_rows` rows are parked and running beyond it):
         they take the places of ended rows in the running batch (continuous
         batching). With `share_prefix`, the episodes admitted together are
         prefilled once per distinct prompt, and a prompt's prefill is kept
@@ -298,8 +300,10 @@ class Engine:
             # Rows whose reply came go on (or end, on that reply) first.
             back = self._returned(parked)
             busy = sum(r is not None for r in live)
-            # Parked rows keep their caches: they count against `max_rows`.
-            room = max_rows - busy - len(parked) - len(back) if max_rows else None
+            # A parked row's place goes to another row; its cache, kept aside,
+            # bounds them: at most `max_rows` more rows than run (parked).
+            out = len(parked) + len(back)
+            room = min(max_rows - busy - len(back), 2 * max_rows - busy - out) if max_rows else None
             idle = busy == 0 and not parked and not back
             handed = source.admit(room, idle) if room is None or room > 0 else []
             if busy == 0 and not handed and not back:
