@@ -23,7 +23,7 @@ from colonnade.protocol.turns import run_sampling
 from colonnade.pulse import dequantize_state, prepare
 from colonnade.pulse.hashing import digest_bytes
 from colonnade.store import LocalStore
-from conftest import _write_signed_run
+from signed_runs import _write_signed_run
 
 VERSIONS = 4  # v0..v3; anchors every 2 versions: v3 is the anchor v2 plus one patch
 

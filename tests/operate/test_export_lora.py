@@ -20,7 +20,7 @@ from colonnade.protocol.model_files import model_files
 from colonnade.pulse import dequantize_state, prepare
 from colonnade.pulse.hashing import digest_bytes
 from colonnade.store import LocalStore
-from conftest import _write_signed_run
+from signed_runs import _write_signed_run
 
 RANK = 4
 IDS = [5, 17, 42, 99, 7, 300, 12, 1, 64, 8]

@@ -20,7 +20,7 @@ VERSIONS = 5  # v0..v4, an anchor every 2
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory, tiny_dir):
-    from conftest import _write_signed_run
+    from signed_runs import _write_signed_run
 
     store = LocalStore(tmp_path_factory.mktemp("run"))
     signer = _write_signed_run(store, anchor_every=2)

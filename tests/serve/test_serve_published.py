@@ -8,8 +8,8 @@ import pytest
 
 from colonnade.cli.main import CliError, build_parser
 from colonnade.cli.serve import _engine
-from conftest import _write_signed_run
 from operate.test_export import _publish
+from signed_runs import _write_signed_run
 
 
 def _args(*flags: str) -> argparse.Namespace:
