@@ -17,9 +17,11 @@ class ServiceProcess:
     """`colonnade tools serve` in a process of its own, on a fixed port so that
     a restart is found where the run expects it."""
 
-    def __init__(self, env: str, env_args: list[str], key: Path, port: int, timeout: float = 120):
+    def __init__(self, env: str, env_args: list[str], key: Path, port: int, timeout: float = 120,
+                 flags: tuple[str, ...] = ()):  # fmt: skip
+        """`flags`: more of `colonnade tools serve`'s (e.g. --latency-ms 200)."""
         self.args = [sys.executable, "-m", "colonnade", "tools", "serve", "--env", env,
-                     "--key", str(key), "--port", str(port)]  # fmt: skip
+                     "--key", str(key), "--port", str(port), *flags]  # fmt: skip
         for a in env_args:
             self.args += ["--env-arg", a]
         self.timeout = timeout

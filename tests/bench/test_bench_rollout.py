@@ -22,9 +22,17 @@ def test_quick_rollout_bench_prints_json_rows(tmp_path, monkeypatch, capsys, tin
     # searches, on multi-hop searchqa2; here: smoke, for speed), measured once
     # and labelled with the model they ran.
     groups_of = ["--groups-model", str(tiny_dir), "--groups-env", "smoke", "--group-size", "2"]
-    assert main(["--quick", "--repeats", "1", "--json", *groups_of]) == 0
+    tools = ["--tool-latency-ms", "0", "20", "--tool-tail-ms", "200", "--tool-tail-share", "0.5"]
+    assert main(["--quick", "--repeats", "1", "--json", *groups_of, *tools]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = [r for r in out if "kind" not in r]
+    # Tools rows: each latency, the batch waiting and the rows parked.
+    tool_rows = [r for r in out if r.get("kind") == "tools"]
+    assert [(r["tool_latency_ms"], r["async"]) for r in tool_rows] == [
+        (0, False), (0, True), (20, False), (20, True)
+    ]  # fmt: skip
+    assert all(r["episodes_s"] > 0 and r["calls_per_episode"] == 3 for r in tool_rows)
+    assert tool_rows[1]["of_fast"] == 1.0 and tool_rows[3]["tool_tail_ms"] == 200
     (machine,) = [r for r in out if r.get("kind") == "machine"]
     (groups,) = [r for r in out if r.get("kind") == "groups"]
     assert groups["model"] == str(tiny_dir) and groups["group_size"] == 2

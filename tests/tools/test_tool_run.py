@@ -210,3 +210,34 @@ def test_a_workers_row_counts_the_episodes_its_tool_service_failed(honest):
     row = tally.row(batch, 1.0, None)
     assert WorkerRow.from_dict(row.to_dict()).tool_failures == 2
     assert tally.row(batch, 1.0, None).tool_failures == 0  # since the previous row
+
+
+@pytest.mark.procs
+def test_rows_that_wait_beside_the_batch_make_the_episodes_the_batch_waiting_makes(tiny, tmp_path):
+    """A slow service's calls (a share of them 40x slower, so replies come
+    back out of order) leave the episodes exactly as when the batch waits
+    for every call: parking a row changes when it decodes, never what."""
+    key, _ = new_keypair("tools", tmp_path / "keys")
+    flags = ("--latency-ms", "10", "--tail-ms", "400", "--tail-share", "0.3")
+    with ServiceProcess("served_env", ["max_turns=3"], key, free_port(), flags=flags) as svc:
+        env = load_environment("served_env", service=svc.url, service_key=svc.key)
+        model, tok = tiny
+        tasks = list(env.tasks("train")[:6])
+        runs = [
+            run_episodes(
+                Engine(TorchBackend(model), tok),
+                env,
+                tasks,
+                PARAMS,
+                seed=3,
+                run_id=RUN,
+                async_tools=parked,
+            )
+            for parked in (False, True)
+        ]
+    assert sum(len(r.tools) for r in runs[0]) >= 4  # the service was asked, more than once
+    for waited, parked in zip(*runs, strict=True):
+        assert parked.episode.tokens == waited.episode.tokens
+        assert parked.episode.logprobs == pytest.approx(waited.episode.logprobs, abs=1e-6)
+        assert parked.tools == waited.tools and parked.score == waited.score
+        assert not parked.tool_failed and not waited.tool_failed

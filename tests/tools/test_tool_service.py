@@ -189,3 +189,44 @@ def test_a_service_that_answers_garbage_or_hangs_up_is_unavailable():
         with pytest.raises(ToolFailed) as e:
             client.call(_call())
     assert e.value.reason == "unavailable" and client.retries == 2
+
+
+def test_a_rehearsed_latency_picks_the_same_slow_calls_at_its_share():
+    from colonnade.tools.service import Latency
+
+    lat = Latency(0.2, 2.0, 0.25)
+    waits = [lat.of(_call(f"q{i}")) for i in range(800)]
+    assert set(waits) == {0.2, 2.0}
+    assert 0.19 < waits.count(2.0) / len(waits) < 0.31
+    assert waits == [lat.of(_call(f"q{i}")) for i in range(800)]  # a call asked again waits alike
+    assert Latency(0.2).of(_call()) == 0.2 and Latency().of(_call()) == 0.0
+    for bad in [(-0.1, 0, 0), (0, -1, 0.5), (0, 1, 1.5)]:
+        with pytest.raises(ValueError):
+            Latency(*bad)
+
+
+def test_a_slow_service_waits_before_it_replies():
+    import time
+
+    from colonnade.tools.service import Latency
+
+    svc = ToolService(lambda q: q, Ed25519PrivateKey.generate(), latency=Latency(0.3)).start()
+    try:
+        client = ToolClient(svc.url, public_key(svc.public_hex), FAST)
+        t = time.monotonic()
+        assert client.call(_call("slow")).result == "slow"
+        assert time.monotonic() - t >= 0.3
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("flags", [["--latency-ms", "-5"], ["--tail-share", "1.5"],
+                                   ["--tail-ms", "-1", "--tail-share", "0.1"]])  # fmt: skip
+def test_colonnade_tools_serve_refuses_a_latency_out_of_range(tmp_path, capsys, flags):
+    from colonnade.cli.main import main
+    from colonnade.protocol.signing import new_keypair
+
+    key, _ = new_keypair("tools", tmp_path)
+    assert main(["tools", "serve", "--env", "smoke", "--key", str(key), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --latency-ms") and err.count("\n") == 1

@@ -87,6 +87,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ENV",
         help="groups rows: the environment (default %(default)s; searchqa2 is multi-hop)",
     )
+    t = p.add_argument_group(
+        "tools rows",
+        "episodes that wait on a real tool service (bench/tools.py), int8 engine: rows of "
+        'kind "tools", the rows that wait parked beside the batch (async) and the batch '
+        "waiting for each call, per latency",
+    )
+    t.add_argument(
+        "--tool-latency-ms",
+        type=float,
+        nargs="+",
+        metavar="MS",
+        help="the service's latencies, the first the fast one (e.g. 0 200; unset: no tools rows)",
+    )
+    t.add_argument(
+        "--tool-tail-ms", type=float, default=2000.0, help="the slowest calls' wait (default 2000)"
+    )
+    t.add_argument(
+        "--tool-tail-share", type=float, default=0.05, help="the slowest calls' share (0.05)"
+    )
+    t.add_argument("--tool-episodes", type=int, default=32, help="episodes a run (default 32)")
+    t.add_argument("--tool-calls", type=int, default=3, help="calls an episode (default 3)")
+    t.add_argument("--tool-turn-tokens", type=int, default=16,
+                   help="tokens a turn, each ending in a call (default 16)")  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -362,6 +385,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: models must be among {MODELS}; batches, tokens, repeats >= 1")
     if args.group_size < 0 or args.group_tasks < 1 or args.max_rows < max(args.group_size, 1):
         raise SystemExit("error: --group-size >= 0, --group-tasks >= 1, --max-rows >= group size")
+    tool_ms = args.tool_latency_ms or []
+    if tool_ms and (
+        min(tool_ms) < 0
+        or min(args.tool_episodes, args.tool_calls, args.tool_turn_tokens) < 1
+        or args.tool_tail_ms < 0
+        or not 0 <= args.tool_tail_share <= 1
+    ):
+        raise SystemExit(
+            "error: --tool-latency-ms and --tool-tail-ms >= 0, --tool-tail-share within [0, 1], "
+            "--tool-episodes, --tool-calls, --tool-turn-tokens >= 1"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     mlx = not args.no_mlx and _mlx_or_say()
@@ -376,6 +410,8 @@ def run(args: argparse.Namespace) -> int:
         rows += _model_rows(name, engines, batches, tokens, args, bandwidth)
         if args.group_size > 0 and not args.groups_model:
             rows.append({"model": name, **_groups(args, engines["int8"])})
+        if tool_ms:
+            rows += [{"model": name, **r} for r in _tools(args, engines["int8"])]
     if args.group_size > 0 and args.groups_model:
         from colonnade.engine import load_engine
         from colonnade.model import resolve_model
@@ -389,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(markdown_table([r for r in rows if "kind" not in r], mlx))
         print(groups_table([r for r in rows if r.get("kind") == "groups"]))
+        if tool_ms:
+            from .tools import tools_table
+
+            print(tools_table([r for r in rows if r.get("kind") == "tools"]))
         print(machine_text(machine))
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     return 0
@@ -426,6 +466,24 @@ def _groups(args: argparse.Namespace, engine) -> dict:
     log(f"groups of {args.group_size}, {tasks} {args.groups_env} tasks, int8")
     return measure_groups(
         engine, args.group_size, tasks, args.max_rows, args.repeats, args.groups_env
+    )
+
+
+def _tools(args: argparse.Namespace, engine) -> list[dict]:
+    from .tools import measure_tools
+
+    episodes = 4 if args.quick else args.tool_episodes
+    log(f"tools: {episodes} episodes of {args.tool_calls} calls, int8")
+    return measure_tools(
+        engine,
+        args.tool_latency_ms,
+        args.tool_tail_ms,
+        args.tool_tail_share,
+        episodes,
+        args.tool_calls,
+        args.tool_turn_tokens,
+        args.repeats,
+        log,
     )
 
 

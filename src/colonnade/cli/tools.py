@@ -28,13 +28,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--key", type=Path, required=True, help="the service's private key file")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8200, help="port (default 8200; 0: any free one)")
+    slow = s.add_argument_group("rehearsing a slow service")
+    slow.add_argument(
+        "--latency-ms", type=float, default=0.0, help="wait this long before every reply"
+    )
+    slow.add_argument(
+        "--tail-ms", type=float, default=0.0, help="wait this long instead for --tail-share"
+    )
+    slow.add_argument(
+        "--tail-share",
+        type=float,
+        default=0.0,
+        help="the share of calls (picked by the call's hash) that wait --tail-ms",
+    )
     s.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from colonnade.envs import load_environment
     from colonnade.protocol.signing import load_private
-    from colonnade.tools.service import ToolService
+    from colonnade.tools.service import Latency, ToolService
 
     from .main import CliError
 
@@ -43,6 +56,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("the environment to serve answers its tool itself: drop service=")
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port {args.port}: 0 to 65535")
+    try:
+        latency = Latency(args.latency_ms / 1e3, args.tail_ms / 1e3, args.tail_share)
+    except ValueError as e:
+        raise CliError(f"--latency-ms, --tail-ms, --tail-share: {e}") from None
     try:
         _, private = load_private(args.key)
     except ValueError as e:
@@ -55,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not callable(getattr(env, "tool_result", None)):
         raise CliError(f"environment {args.env} has no tool_result(query): nothing to serve")
     try:
-        service = ToolService(env.tool_result, private, args.host, args.port).start()
+        service = ToolService(env.tool_result, private, args.host, args.port, latency).start()
     except OSError as e:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     print(f"serving {args.env}'s tool on {service.url}", file=sys.stderr)

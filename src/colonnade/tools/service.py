@@ -21,14 +21,18 @@ connection has a thread; the tool itself must be safe to call from several.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from colonnade.httpjson import BodyRefused, JsonHandler
@@ -41,13 +45,39 @@ MAX_BODY_BYTES = 16 << 10  # a call: its query is at most 4,096 characters
 MEMO = 65_536  # calls whose replies are remembered
 
 
+@dataclass(frozen=True)
+class Latency:
+    """A slow service, rehearsed: every call waits `median_s` before its
+    reply, a `tail_share` of them `tail_s` instead. The call's hash picks
+    the slow ones, so a call asked again waits alike."""
+
+    median_s: float = 0.0
+    tail_s: float = 0.0
+    tail_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.median_s, self.tail_s) < 0 or not 0 <= self.tail_share <= 1:
+            raise ValueError("latencies >= 0 and a tail share within [0, 1]")
+
+    def of(self, call: Call) -> float:
+        """Seconds `call` waits."""
+        if self.tail_share:
+            digest = blake3.blake3(json.dumps(call.to_dict(), sort_keys=True).encode()).digest()
+            if int.from_bytes(digest[:8], "big") < self.tail_share * 2**64:
+                return self.tail_s
+        return self.median_s
+
+
 class ToolService:
-    """The HTTP server over `answer`; `start` serves on a thread of its own."""
+    """The HTTP server over `answer`; `start` serves on a thread of its own.
+    `latency`: a rehearsal's wait before each reply (none by default)."""
 
     def __init__(self, answer: Callable[[str], Any], private: Ed25519PrivateKey,
-                 host: str = "127.0.0.1", port: int = 0) -> None:  # fmt: skip
+                 host: str = "127.0.0.1", port: int = 0,
+                 latency: Latency | None = None) -> None:  # fmt: skip
         self.answer = answer
         self.private = private
+        self.latency = latency
         self.calls = 0
         self._memo: OrderedDict[Call, Reply] = OrderedDict()
         self._lock = threading.Lock()
@@ -77,6 +107,8 @@ class ToolService:
 
     def reply(self, call: Call) -> Reply:
         """The signed reply to `call`: the remembered one if it was asked before."""
+        if self.latency is not None:
+            time.sleep(self.latency.of(call))
         with self._lock:
             self.calls += 1
             if (known := self._memo.get(call)) is not None:
