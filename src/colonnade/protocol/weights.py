@@ -228,6 +228,23 @@ def read_meta(store: ObjectStore, v: int, trust: Trust) -> VersionMeta | None:
     return meta
 
 
+def needed_meta(store: ObjectStore, v: int, trust: Trust,
+                known: VersionMeta | None = None) -> VersionMeta:  # fmt: skip
+    """Version `v`'s meta.json (`known` if it is v's), or a VersionError: a
+    follower retries a version that is missing or does not verify."""
+    if known is not None and known.version == v:
+        return known
+    try:
+        meta = read_meta(store, v, trust)
+    except SchemaError as e:
+        # Damage or forgery, like a bad payload: the worker retries, where
+        # a SchemaError would have ended it at once.
+        raise VersionError(f"version {v}: meta.json does not verify ({e})") from None
+    if meta is None:
+        raise VersionError(f"version {v} has no meta.json")
+    return meta
+
+
 def read_latest(store: ObjectStore, trust: Trust) -> Latest | None:
     """weights/latest.json, None where missing; SchemaError where it does not
     read or verify."""
@@ -328,17 +345,7 @@ class Follower:
         self._known: VersionMeta | None = None
 
     def _meta(self, v: int) -> VersionMeta:
-        if self._known is not None and self._known.version == v:
-            return self._known
-        try:
-            meta = read_meta(self.store, v, self.trust)
-        except SchemaError as e:
-            # Damage or forgery, like a bad payload: the worker retries, where
-            # a SchemaError would have ended it at once.
-            raise VersionError(f"version {v}: meta.json does not verify ({e})") from None
-        if meta is None:
-            raise VersionError(f"version {v} has no meta.json")
-        return meta
+        return needed_meta(self.store, v, self.trust, self._known)
 
     def _from_anchor(self, target: VersionMeta) -> None:
         anchor = self._meta(target.anchor)

@@ -32,9 +32,9 @@ from safetensors import SafetensorError, safe_open
 
 from colonnade import pulse
 from colonnade.protocol import VersionError, keys, latest_version
-from colonnade.protocol.schemas import SchemaError, VersionMeta
+from colonnade.protocol.schemas import VersionMeta
 from colonnade.protocol.signing import Trust
-from colonnade.protocol.weights import read_meta
+from colonnade.protocol.weights import needed_meta
 from colonnade.pulse.decode import _decode_entry, _split  # one tensor of a patch at a time
 from colonnade.pulse.format import unpack
 from colonnade.pulse.hashing import algo_of, leaf_hash
@@ -68,15 +68,7 @@ class StageFollower:
         self._known: VersionMeta | None = None
 
     def _meta(self, v: int) -> VersionMeta:
-        if self._known is not None and self._known.version == v:
-            return self._known
-        try:
-            meta = read_meta(self.store, v, self.trust)
-        except SchemaError as e:
-            raise VersionError(f"version {v}: meta.json does not verify ({e})") from None
-        if meta is None:
-            raise VersionError(f"version {v} has no meta.json")
-        return meta
+        return needed_meta(self.store, v, self.trust, self._known)
 
     def sync(self, target: int | None = None, known: VersionMeta | None = None) -> bool:
         """Move to `target` (default: the newest version); True if the state
