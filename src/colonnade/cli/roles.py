@@ -126,7 +126,8 @@ def _worker(args: argparse.Namespace) -> int:
     from colonnade.engine import BackendUnavailable, UnsupportedArchitecture
     from colonnade.operate.join import apply_join
     from colonnade.protocol import ProtocolMismatch
-    from colonnade.rollout.worker import Quarantined, Worker
+    from colonnade.rollout.pipeline import GroupError
+    from colonnade.rollout.worker import Quarantined, worker_for
 
     from .main import CliError
 
@@ -137,14 +138,15 @@ def _worker(args: argparse.Namespace) -> int:
         )
         _need_store(cfg, "--join (from `colonnade invite`) or --store")
         _threads(cfg.threads)
-        worker = Worker(cfg)
+        worker = worker_for(cfg)
     except (ValueError, BackendUnavailable) as e:
         raise CliError(str(e)) from None
     try:
         return worker.run()
     # No run.json within join_timeout; refused; a run of another protocol version;
-    # a model the chosen engine does not run.
-    except (TimeoutError, Quarantined, ProtocolMismatch, UnsupportedArchitecture) as e:
+    # a model the chosen engine does not run; a pipeline group the run cannot have.
+    except (TimeoutError, Quarantined, ProtocolMismatch, UnsupportedArchitecture,
+            GroupError) as e:  # fmt: skip
         raise CliError(str(e)) from None
 
 

@@ -6,7 +6,9 @@ tokens come back from the last stage to the first. Every message is
 safetensors bytes: its fields as JSON in the one metadata entry
 `colonnade`, its arrays as tensors. Two kinds:
 
-- `Step`, stage K to K+1: the cache cuts the first stage made since the
+- `Step`, stage K to K+1: the published version the micro-batch runs
+  (every stage runs the same one: a later stage catches up to it, or
+  refuses it if it already runs a newer one), the cache cuts the first stage made since the
   micro-batch's last step (`ops`, replayed in order on every stage's own
   cache of its layers), the cache the step runs on, the step's block
   (`positions` [B, W], `allowed` [B, 1, W, K] or none for plain causal
@@ -47,6 +49,7 @@ MAX_OPS = 4096  # cache cuts between two steps
 MAX_CACHE_ID = 1 << 30
 META_KEY = "colonnade"
 MAX_FIELD = 256  # run and group names
+MAX_VERSION = (1 << 31) - 1
 
 # Cache cuts (`engine.backend.Cache`), as the first stage's cache made them.
 # name -> the dimensions of its index array (None: it has none).
@@ -106,6 +109,7 @@ class Step:
     allowed: np.ndarray | None = None  # [B, 1, W, K] bool
     draws: np.ndarray | None = None  # [B] float64: sample this step
     distribution: tuple[float, int, float] | None = None  # temperature, top_k, top_p
+    version: int = 0  # the published version every stage runs this step with
 
 
 @dataclass
@@ -136,7 +140,8 @@ def pack_step(step: Step) -> bytes:
         ops.append([op.name, op.cache, op.other, op.a, op.b])
         if op.index is not None:
             tensors[f"index{i}"] = op.index.astype("<i8", copy=False)
-    fields = {"kind": "step", **step.binding.fields(), "cache": step.cache, "ops": ops,
+    fields = {"kind": "step", **step.binding.fields(), "version": step.version,
+              "cache": step.cache, "ops": ops,
               "distribution": list(step.distribution) if step.distribution else None}  # fmt: skip
     return _save(tensors, fields)
 
@@ -217,8 +222,9 @@ def unpack_step(raw: bytes, expect: Binding, hidden_size: int) -> Step:
     """A checked `Step` from untrusted bytes, bound to `expect`."""
     head, d = _header(raw)
     _bound(d, expect, "step")
-    need(set(d) == {"protocol", "kind", *expect.fields(), "cache", "ops", "distribution"},
-         "step fields")  # fmt: skip
+    need(set(d) == {"protocol", "kind", *expect.fields(), "version", "cache", "ops",
+                    "distribution"}, "step fields")  # fmt: skip
+    need(is_int(d["version"], 0, MAX_VERSION), "version: an integer >= 0")
     need(is_int(d["cache"], 0, MAX_CACHE_ID), "cache: an id")
     rows, width, _ = _shape(head, "hidden", "F32", [None, None, hidden_size])
     need(1 <= rows <= MAX_ROWS and 1 <= width <= MAX_COLUMNS, "hidden: rows and columns")
@@ -249,7 +255,7 @@ def unpack_step(raw: bytes, expect: Binding, hidden_size: int) -> Step:
             top = MAX_COLUMNS if op.name == "gather" else MAX_ROWS
             need(bool(((op.index >= 0) & (op.index < top)).all()), f"op {i}: index out of range")
     return Step(expect, d["cache"], ops, a["hidden"], a["positions"], a["real"],
-                a.get("allowed"), draws, tuple(dist) if dist else None)  # fmt: skip
+                a.get("allowed"), draws, tuple(dist) if dist else None, d["version"])  # fmt: skip
 
 
 def _ops(ops, head: dict) -> list[Op]:

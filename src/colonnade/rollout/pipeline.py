@@ -33,9 +33,16 @@ step's reply came back through every stage. A batch number changes with
 every `Front.generate`: a later stage drops older batches' caches and
 deletes its messages of them.
 
+Every stage runs the same published version: the first stage runs a batch
+with one version (`Front.version` as the batch starts) and each step names
+it; a later stage catches up to a newer one before it runs the step
+(`StageServer.catch_up`, the stage-worker's follower) and refuses a step
+of an older one than it runs (versions never go back).
+
 A stage that dies loses the micro-batches in flight: the first stage's wait
 runs out (`StageTimeout`) and the batch is not made; a claim lapses as for
-any worker that stops.
+any worker that stops. A reply that does not check (`BadReply`) ends the
+batch the same way.
 """
 
 from __future__ import annotations
@@ -81,8 +88,17 @@ TIMEOUT_S = 120.0  # a stage silent this long is taken for dead
 IO_THREADS = 8  # a later stage's reads and writes in flight at once
 
 
+class GroupError(ValueError):
+    """A pipeline group a worker cannot take part in (the CLI's one-line error)."""
+
+
 class StageTimeout(RuntimeError):
     """A stage did not answer in time: the micro-batches in flight are lost."""
+
+
+class BadReply(StageTimeout):
+    """The last stage's reply did not check: the batch is given up as for a
+    silent stage (nothing of it is uploaded)."""
 
 
 @dataclass(frozen=True)
@@ -182,8 +198,8 @@ class FrontStream:
 
     name = "torch"
 
-    def __init__(self, front: Front, batch: int, stream: int):
-        self.front, self.batch, self.stream = front, batch, stream
+    def __init__(self, front: Front, batch: int, stream: int, version: int):
+        self.front, self.batch, self.stream, self.version = front, batch, stream, version
         self.journal = Journal()
         self.seq = 0
 
@@ -215,7 +231,7 @@ class FrontStream:
         dist = (params.temperature, params.top_k, params.top_p) if params else None
         step = Step(front.group.binding(0, self.batch, self.stream, seq), cache.id,
                     self.journal.take(), hidden.float().cpu().numpy(), block.positions,
-                    layout.real, block.allowed, draws, dist)  # fmt: skip
+                    layout.real, block.allowed, draws, dist, self.version)  # fmt: skip
         workers = front.group.workers
         mine = keys.stage_key(workers[0], self.batch, self.stream, seq)
         front.store.put(mine, pack_step(step))
@@ -225,8 +241,11 @@ class FrontStream:
             front.store, reply_key, front.timeout, front.poll, f"reply from stage {last + 1}"
         )
         rows = 0 if draws is None else len(draws)
-        got = unpack_sampled(raw, front.group.binding(last, self.batch, self.stream, seq),
-                             front.vocab, rows)  # fmt: skip
+        try:
+            got = unpack_sampled(raw, front.group.binding(last, self.batch, self.stream, seq),
+                                 front.vocab, rows)  # fmt: skip
+        except SchemaError as e:
+            raise BadReply(f"reply from stage {last + 1} refused: {e}") from None
         front.io.submit(_delete, front.store, mine)  # off the step's path: a round trip
         self.seq += 1
         return got
@@ -275,8 +294,8 @@ class Front:
         self.in_flight, self.timeout, self.poll = in_flight, timeout, poll
         self.compute = threading.Lock()  # one stage's layers run one step at a time
         self.io = ThreadPoolExecutor(2, thread_name_prefix="front-io")
-        self.batches = itertools.count(int(time.time()) % 10_000_000)
-        self.version = 0
+        self.batches = itertools.count(self._first_batch())
+        self.version = 0  # the published version the stages run; a batch takes one
 
     def generate(
         self,
@@ -290,13 +309,14 @@ class Front:
         each running in its own thread, their episodes in the rows' order."""
         if not (len(prompts) == len(responders) == len(keys_)):
             raise ValueError("one responder and one draw key per prompt")
-        batch = next(self.batches)
+        batch, version = next(self.batches), self.version
+        self._clear(batch)
         parts = split_streams(prompts, self.in_flight)
         rows_each = -(-max_rows // len(parts)) if max_rows else 0
 
         def run(stream: int, rows: list[int]) -> list[Episode]:
-            backend = FrontStream(self, batch, stream)
-            engine = Engine(backend, copy.deepcopy(self.tokenizer), self.version)
+            backend = FrontStream(self, batch, stream, version)
+            engine = Engine(backend, copy.deepcopy(self.tokenizer), version)
             return engine.generate(
                 [prompts[i] for i in rows],
                 [responders[i] for i in rows],
@@ -312,6 +332,27 @@ class Front:
                 for i, ep in zip(rows, fut.result(), strict=True):
                     out[i] = ep
         return out
+
+    def _first_batch(self) -> int:
+        """A number above every batch the group's stages hold messages of: a
+        later stage takes only a batch newer than its last, so a front that
+        restarts (or a second front on the same store) numbers on from there."""
+        first = int(time.time()) % 10_000_000
+        for worker in self.group.workers:
+            for key in self.store.list(keys.stage_dir(worker)):
+                parsed = keys.parse_stage_key(key)
+                if parsed is not None and parsed[0] == worker:
+                    first = max(first, parsed[1] + 1)
+        return first
+
+    def _clear(self, batch: int) -> None:
+        """Delete this stage's messages of older batches: a batch given up
+        (`StageTimeout`) leaves its last steps unanswered."""
+        me = self.group.workers[0]
+        for key in self.store.list(keys.stage_dir(me)):
+            parsed = keys.parse_stage_key(key)
+            if parsed is not None and parsed[0] == me and parsed[1] < batch:
+                _delete(self.store, key)
 
 
 class _Caches:
@@ -372,7 +413,12 @@ class StageServer:
         hidden_size: int,
         poll: float = POLL_S,
         io_threads: int = IO_THREADS,
+        version: int = 0,
+        catch_up: Callable[[int], None] | None = None,
     ):
+        """`version`: the published version the stage's tensors are of;
+        `catch_up(v)`: brings them to a newer version v, before a step of v
+        runs (None: the stage takes steps of `version` only)."""
         k = stage.stage.index
         if k == 0 or stage.stage.count != len(group.workers):
             raise ValueError("a stage server is a later stage of its group")
@@ -384,6 +430,7 @@ class StageServer:
         self.next: dict[int, int] = {}  # stream -> the step it takes next
         self.broken: set[int] = set()  # streams whose message was refused
         self.steps = 0
+        self.version, self.catch_up = version, catch_up
         # Reads and writes overlap (a slow store's round trips would
         # otherwise add up, one micro-batch after another); steps run in turn.
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="stage-io")
@@ -455,19 +502,43 @@ class StageServer:
         caches = self.caches.setdefault(stream, _Caches(self.stage))
         try:
             step = unpack_step(raw, binding, self.hidden_size)
+            # A fetch that fails (the store's, or a version that does not
+            # verify) raises on: the step stays, to be taken once it is fetched.
+            self._run_version(step.version)
+        except ValueError as e:
+            self._refuse(stream, seq, e)
+            return
+        try:
             caches.apply(step.ops)
             out = self._run(caches.get(step.cache), step)
         except (ValueError, RuntimeError, IndexError) as e:
-            # SchemaError, or a step the caches cannot take (rows or columns
-            # that disagree with them): the stream's, never the stage's end.
-            log.warning("stage %d: refused step %d of stream %d: %s", k + 1, seq, stream, e)
-            self.broken.add(stream)  # its episodes are lost; the first stage times out
+            # A step the caches cannot take (rows or columns that disagree
+            # with them): the stream's, never the stage's end.
+            self._refuse(stream, seq, e)
             return
         mine = keys.stage_key(self.me, self.batch, stream, seq)
         read = keys.stage_key(self.me, self.batch, stream, seq - 1) if seq else None
         self.writes.append(self.io.submit(self._write, mine, out, read))
         self.next[stream] = seq + 1
         self.steps += 1
+
+    def _refuse(self, stream: int, seq: int, why: Exception) -> None:
+        k = self.stage.stage.index
+        log.warning("stage %d: refused step %d of stream %d: %s", k + 1, seq, stream, why)
+        self.broken.add(stream)  # its episodes are lost; the first stage times out
+
+    def _run_version(self, v: int) -> None:
+        """The stage's tensors at version `v`, or a ValueError (the step is
+        refused): a version older than the one the stage runs."""
+        if v == self.version:
+            return
+        if v < self.version:
+            raise ValueError(f"a step of v{v}, but this stage runs v{self.version} already")
+        if self.catch_up is None:
+            raise ValueError(f"a step of v{v}: this stage runs v{self.version} alone")
+        self.flush()  # what was put so far is of the last version's steps
+        self.catch_up(v)
+        self.version = v
 
     def _write(self, key: str, data: bytes, read: str | None) -> None:
         self.store.put(key, data)
@@ -484,7 +555,8 @@ class StageServer:
         binding = self.group.binding(k, self.batch, step.binding.stream, step.binding.seq)
         if not self.stage.stage.last:
             nxt = Step(binding, step.cache, step.ops, out.float().cpu().numpy(), step.positions,
-                       step.real, step.allowed, step.draws, step.distribution)  # fmt: skip
+                       step.real, step.allowed, step.draws, step.distribution,
+                       step.version)  # fmt: skip
             return pack_step(nxt)
         if step.draws is None:
             return pack_sampled(Sampled(binding))

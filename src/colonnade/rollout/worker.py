@@ -86,7 +86,7 @@ from .tally import Tally
 from .watch import Quarantined, Watch
 from .weights import EngineLoader, Installed, Weights
 
-__all__ = ["Joined", "Quarantined", "Stop", "Worker", "wait_for_run"]
+__all__ = ["Joined", "Quarantined", "Stop", "Worker", "wait_for_run", "worker_for"]
 
 log = logging.getLogger("colonnade.worker")
 # A heartbeat this often from a thread of its own (and with the first
@@ -144,6 +144,16 @@ def wait_for_run(
                     f"no run.json signed by the trainer under {store.url} after {timeout:.0f} s"
                 ) from None
             time.sleep(poll)
+
+
+def worker_for(cfg: WorkerConfig) -> Worker:
+    """The worker `cfg` asks for: the whole model's, or one stage of a
+    pipeline group (`--stage K/N`, stageworker.py)."""
+    if cfg.pipeline() is None:
+        return Worker(cfg)
+    from .stageworker import stage_worker
+
+    return stage_worker(cfg)
 
 
 @dataclass(frozen=True)

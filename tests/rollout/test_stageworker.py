@@ -1,0 +1,171 @@
+"""`colonnade worker --stage K/N --stage-group ...`: the settings a pipeline
+group is started with, refused in one line when no group can run them; the
+version every step carries; a front's batch numbers and bad replies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoConfig
+
+from colonnade.cli.main import main
+from colonnade.config import WorkerConfig
+from colonnade.engine import SamplingParams
+from colonnade.engine.loop import seeded_keys
+from colonnade.engine.stages import build_stage, plan_stages
+from colonnade.model import int8_state
+from colonnade.model.loading import skeleton
+from colonnade.protocol import keys
+from colonnade.protocol.stages import (
+    Binding,
+    Op,
+    Sampled,
+    Step,
+    pack_sampled,
+    pack_step,
+    unpack_step,
+)
+from colonnade.rollout.pipeline import BadReply, Front, Group, StageServer
+from colonnade.rollout.stageworker import FrontWorker, StageWorker, group_name, stage_worker
+from colonnade.rollout.worker import Worker, worker_for
+from colonnade.store import LocalStore
+from colonnade.untrusted import SchemaError
+
+
+def _cfg(**kw) -> WorkerConfig:
+    cfg = WorkerConfig(store="/nowhere", **kw)
+    cfg.check()
+    return cfg
+
+
+def test_a_group_is_read_from_the_settings():
+    assert _cfg().pipeline() is None
+    cfg = _cfg(stage="2/3", stage_group="a, b,c", id="b")
+    assert cfg.pipeline() == (1, ("a", "b", "c"))
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        ({"stage": "2/2"}, "both"),
+        ({"stage_group": "a,b"}, "both"),
+        ({"stage": "2", "stage_group": "a,b"}, "K/N"),
+        ({"stage": "3/2", "stage_group": "a,b"}, "1 .. N"),
+        ({"stage": "1/1", "stage_group": "a"}, "2 stages or more"),
+        ({"stage": "1/3", "stage_group": "a,b"}, "2 worker"),
+        ({"stage": "1/2", "stage_group": "a,"}, "one id a stage"),
+        ({"stage": "1/2", "stage_group": "a,a"}, "twice"),
+        ({"stage": "1/2", "stage_group": "a,b", "id": "b"}, "stage 1 of --stage-group is 'a'"),
+        ({"stage": "1/2", "stage_group": "a,b", "engine": "mlx"}, "torch"),
+        ({"stage": "1/2", "stage_group": "a,b", "stage_in_flight": 0}, "stage_in_flight"),
+        ({"stage": "1/2", "stage_group": "a,b", "stage_timeout": 0.0}, "stage_timeout"),
+    ],
+)
+def test_a_group_no_stage_can_run_is_refused(settings, why):
+    with pytest.raises(ValueError, match=why):
+        _cfg(**settings)
+
+
+def test_the_hook_picks_the_stage_worker(tmp_path):
+    assert type(worker_for(WorkerConfig(store=str(tmp_path), id="w"))) is Worker
+    front = worker_for(WorkerConfig(store=str(tmp_path), id="a", stage="1/2", stage_group="a,b"))
+    later = worker_for(WorkerConfig(store=str(tmp_path), id="b", stage="2/2", stage_group="a,b"))
+    assert type(front) is FrontWorker and type(later) is StageWorker
+    assert later.cfg.engine == "torch"  # auto resolves to the stages' engine
+
+
+def test_a_worker_whose_id_is_not_its_stages_is_refused(tmp_path):
+    from colonnade.protocol.signing import new_keypair
+
+    key, _ = new_keypair("b", tmp_path / "keys")  # the id comes from the key
+    cfg = WorkerConfig(store=str(tmp_path), key=str(key), stage="1/2", stage_group="a,b")
+    with pytest.raises(ValueError, match="pass --id a"):
+        stage_worker(cfg)
+
+
+def test_the_group_name_is_the_list_in_order():
+    assert group_name(["a", "b"]) == group_name(("a", "b"))
+    assert group_name(["a", "b"]) != group_name(["b", "a"])
+    assert len(group_name(["x" * 64] * 32)) < 64
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_the_cli_refuses_a_bad_group_in_one_line(tmp_path, capsys):
+    store = tmp_path / "run"
+    argv = ["worker", "--store", str(store), "--id", "c"]
+    assert main([*argv, "--stage", "2/2", "--stage-group", "a,b"]) == 2
+    assert _error_line(capsys) == "error: --id 'c' but stage 2 of --stage-group is 'b'"
+    assert main([*argv, "--stage", "2/3", "--stage-group", "a,c"]) == 2
+    assert "2 worker(s) for 3 stages" in _error_line(capsys)
+    assert not store.exists()  # nothing written
+
+
+def _step(stream: int, version: int, hidden: int) -> bytes:
+    return pack_step(Step(Binding("run", "g", 0, 5, stream, 0), 0, [Op("new", 0, -1, 1)],
+                          np.zeros((1, 2, hidden), np.float32), np.arange(2)[None],
+                          np.ones((1, 2), bool), version=version))  # fmt: skip
+
+
+def test_a_later_stage_runs_the_version_each_step_names(tiny_dir, tiny, tmp_path):
+    config = AutoConfig.from_pretrained(tiny_dir)
+    h, plan = config.hidden_size, plan_stages(skeleton(tiny_dir), 3)
+    middle = build_stage(config, int8_state(tiny[0]), plan[1])
+    store, group = LocalStore(tmp_path), Group("run", "g", ("w0", "w1", "w2"))
+    fetched = []
+    server = StageServer(middle, store, group, h, version=3, catch_up=fetched.append)
+    # Stream 0 runs v3, as the stage does; stream 1 names v5: the stage
+    # catches up first; stream 2 then names v4, older than it runs: refused.
+    for stream, version in ((0, 3), (1, 5), (2, 4)):
+        store.put(keys.stage_key("w0", 5, stream, 0), _step(stream, version, h))
+    server.poll_once()
+    server.flush()
+    assert fetched == [5] and server.version == 5 and server.broken == {2}
+    # The version travels on to the next stage with the step.
+    for stream, version in ((0, 3), (1, 5)):
+        out = store.get(keys.stage_key("w1", 5, stream, 0))
+        assert unpack_step(out, Binding("run", "g", 1, 5, stream, 0), h).version == version
+    # A stage that follows no versions takes its own alone.
+    alone = StageServer(middle, LocalStore(tmp_path / "b"), group, h, version=3)
+    alone.store.put(keys.stage_key("w0", 5, 0, 0), _step(0, 4, h))
+    alone.poll_once()
+    assert alone.broken == {0} and alone.steps == 0
+
+
+def test_a_step_names_a_version_and_a_bad_one_is_refused():
+    b = Binding("run", "g", 0, 5, 0, 0)
+    assert unpack_step(_step(0, 7, 8), b, 8).version == 7
+    for bad in (-1, 1 << 40):
+        with pytest.raises(SchemaError, match="version"):
+            unpack_step(_step(0, bad, 8), b, 8)
+
+
+def _front(tiny_dir, tiny, store, **kw) -> Front:
+    config = AutoConfig.from_pretrained(tiny_dir)
+    first = build_stage(config, int8_state(tiny[0]), plan_stages(skeleton(tiny_dir), 2)[0])
+    group = Group("run", "g", ("w0", "w1"))
+    return Front(first, store, group, tiny[1], config.vocab_size, **kw)
+
+
+def test_a_front_numbers_its_batches_above_the_groups(tiny_dir, tiny, tmp_path):
+    # A later stage takes only a batch newer than its last: a front that
+    # restarts within the batches' own pace must not number below them.
+    store = LocalStore(tmp_path)
+    fresh = next(_front(tiny_dir, tiny, store).batches)
+    store.put(keys.stage_key("w1", fresh + 500, 0, 3), b"a reply the front left")
+    assert next(_front(tiny_dir, tiny, store).batches) == fresh + 501
+
+
+def test_a_reply_that_does_not_check_gives_the_batch_up(tiny_dir, tiny, tmp_path):
+    store = LocalStore(tmp_path)
+    front = _front(tiny_dir, tiny, store, timeout=30.0)
+    front.batches = iter([42])
+    # The last stage's reply, bound to another run: the batch ends at once.
+    forged = pack_sampled(Sampled(Binding("another", "g", 1, 42, 0, 0)))
+    store.put(keys.stage_key("w1", 42, 0, 0), forged)
+    with pytest.raises(BadReply, match="stage 2"):
+        front.generate([[1, 2, 3]], [lambda text: None], SamplingParams(), seeded_keys(0, 1))
