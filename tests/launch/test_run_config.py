@@ -50,3 +50,19 @@ def test_effective_config_round_trips_through_toml():
     assert parsed["env"] == "searchqa" and parsed["trainer"]["env"] == "searchqa"
     assert parsed["trainer"]["max_versions"] == tables["trainer"]["max_versions"]
     assert "endpoint_url" not in parsed  # None is left out, not written as a string
+
+
+def test_stages_make_pipeline_groups_of_the_workers():
+    from colonnade.launch.run import _stage_args
+
+    cfg = resolve_run_config("smoke", workers=4, stages=2)
+    assert [_stage_args(cfg, i) for i in range(4)] == [
+        ["--stage", "1/2", "--stage-group", "w1,w2"],
+        ["--stage", "2/2", "--stage-group", "w1,w2"],
+        ["--stage", "1/2", "--stage-group", "w3,w4"],
+        ["--stage", "2/2", "--stage-group", "w3,w4"],
+    ]
+    assert _stage_args(resolve_run_config("smoke"), 0) == []  # whole-model workers
+    for workers, stages in ((3, 2), (2, 1), (2, -2)):
+        with pytest.raises(ValueError, match="stages must be"):
+            resolve_run_config("smoke", workers=workers, stages=stages)

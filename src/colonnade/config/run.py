@@ -21,6 +21,11 @@ class RunConfig:
     store: str = setting("", "run prefix (default <out>/store); s3://bucket/prefix too")
     endpoint_url: str | None = setting(None, "S3 endpoint (R2, MinIO, SeaweedFS)")
     workers: int = setting(2, "rollout worker processes")
+    stages: int = setting(
+        0,
+        "0: each worker holds the whole model; 2 or more: the workers run as pipeline groups "
+        "of this many stage-workers each (`worker --stage K/N`), workers a multiple of it",
+    )
     threads: int = setting(1, "torch threads per process")
     trainer_ranks: int = setting(
         1,
@@ -67,6 +72,8 @@ class RunConfig:
         check_model(self.model)
         if min(self.workers, self.eval_n, self.eval_every, self.eval_during_n) < 0:
             raise ValueError("workers, eval_n, eval_every and eval_during_n must be >= 0")
+        if self.stages == 1 or self.stages < 0 or (self.stages and self.workers % self.stages):
+            raise ValueError("stages must be 0, or 2 or more with workers a multiple of it")
         if self.threads < 1 or self.eval_batch < 1:
             raise ValueError("threads and eval_batch must be >= 1")
         if self.trainer_ranks < 1:

@@ -123,12 +123,24 @@ def _launch_children(cfg: RunConfig, model_path: str, store: ObjectStore) -> lis
         time.sleep(0.3)
     for i in range(cfg.workers):
         args = ["worker", "--config", str(out / "worker.toml"), "--id", f"w{i + 1}"]
+        args += _stage_args(cfg, i)
         if trainer.worker_keys:
             args += ["--key", str(Path(trainer.worker_keys) / f"w{i + 1}.key")]
         if cfg.metrics_port is not None:
             args += ["--metrics-port", str(cfg.metrics_port + 1 + i)]
         children.append(spawn(f"worker-{i + 1}", args, logs, cfg.threads))
     return children
+
+
+def _stage_args(cfg: RunConfig, i: int) -> list[str]:
+    """Worker i's place in its pipeline group (`cfg.stages` consecutive
+    workers a group), or none where each worker holds the whole model."""
+    if not cfg.stages:
+        return []
+    n = cfg.stages
+    first = i - i % n
+    group = ",".join(f"w{j + 1}" for j in range(first, first + n))
+    return ["--stage", f"{i % n + 1}/{n}", "--stage-group", group]
 
 
 def _during(cfg: RunConfig, env, store: ObjectStore, console: Console) -> evaluation.EvalDuring:
