@@ -12,13 +12,14 @@ worker's on this machine, `predicted_episodes_s` the throughput model's.
 The throughput model (docs/benchmarks.md): with E episodes of T tokens in
 M micro-batches of b = E / M rows, a micro-batch's step takes one cycle
 
-    C(b) = c(b) + N * hop,    hop = 3.5 * latency + o(b)
+    C(b) = c(b) + N * hop,    hop = 2.5 * latency + o(b)
 
 where c(b) is the whole model's step at b rows (measured on this machine)
-and a hop is a put, the reader's looks until it sees the message (a look
-is a round trip, and a message lands halfway through one on average: one
-and a half), and a get; o(b) is what a message costs beside its round
-trips (packed, written to a local store, read, checked; measured). The
+and a hop is a put, then the reader's reads of the message's key, over and
+over, each a round trip: the message lands halfway through one on average,
+and the next finds it (one and a half); o(b) is what a message costs beside
+its round trips (packed, written to a local store, read, checked;
+measured). The
 stages work on different micro-batches at once, each taking a step at a
 time, stage k for its share s_k of the weights (the head counted):
 
@@ -41,7 +42,7 @@ import time
 from pathlib import Path
 
 MODELS = ("tiny", "smollm2-135m")
-HOP_REQUESTS = 3.5  # a hop's round trips: put, one and a half looks, get
+HOP_REQUESTS = 2.5  # a hop's round trips: the put, one and a half reads of its key
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,9 @@ their KV cache). Who does what:
   message for stage 2; the stream's thread then waits for the last stage's
   `Sampled` reply, while the other streams' steps run: with M micro-batches
   in flight the stages work on different micro-batches at once;
-- a later stage (`StageServer`) lists the previous stage's messages, takes
-  each stream's next step in order, replays its cuts, runs its layers and
+- a later stage (`StageServer`) reads each stream's next step at its key
+  (listing the previous stage's messages beside, for new batches and
+  streams), takes them in order, replays its cuts, runs its layers and
   puts the hidden states for the next stage; the last stage samples with the
   run's rule (`engine.sampling.sample`, the draws computed by the first
   stage from the rows' keys, `protocol.draws`) and puts the tokens, their
@@ -85,7 +86,9 @@ log = logging.getLogger("colonnade.pipeline")
 
 POLL_S = 0.002  # between looks for an awaited message (a slow store paces itself)
 TIMEOUT_S = 120.0  # a stage silent this long is taken for dead
-IO_THREADS = 8  # a later stage's reads and writes in flight at once
+# A later stage's reads and writes in flight at once: a read a stream
+# under way, so as many as the micro-batches a front keeps in flight.
+IO_THREADS = 32
 
 
 class GroupError(ValueError):
@@ -457,16 +460,27 @@ class StageServer:
             w.result()
 
     def poll_once(self) -> int:
-        """Take every step that has arrived, each stream's in order; how many."""
-        ready: dict[tuple[int, int, int], str] = {}
-        for key in self.store.list(keys.stage_dir(self.prev)):
-            parsed = keys.parse_stage_key(key)
-            if parsed is not None and parsed[0] == self.prev:
-                ready[parsed[1:]] = key
+        """Take every step that has arrived, each stream's in order; how many.
+
+        A stream under way is read at its next step's key, which one round
+        trip finds and reads; beside those reads, a listing of the previous
+        stage's messages finds a new batch, new streams, and a message that
+        landed after its read."""
+        under_way = [(stream, seq, keys.stage_key(self.prev, self.batch, stream, seq))
+                     for stream, seq in sorted(self.next.items())
+                     if stream not in self.broken]  # fmt: skip
+        listing = self.io.submit(self._listed)
+        found = list(self.io.map(self._read, under_way))
+        ready = listing.result()
         newest = max((b for b, _, _ in ready), default=-1)
-        if newest > self.batch:
-            self._new_batch(newest)
         done = 0
+        if newest > self.batch:
+            self._new_batch(newest)  # what was read is of an older batch
+        else:
+            for (stream, seq, _), raw in zip(under_way, found, strict=True):
+                if raw is not None and stream not in self.broken:
+                    self._take(stream, seq, raw)
+                    done += 1
         # Each stream's next step may be followed by more of it in one look
         # (a message read late): take them in order, a round at a time.
         while True:
@@ -481,6 +495,15 @@ class StageServer:
                     done += 1
                 else:
                     self.broken.add(stream)  # listed, then gone: not its writer's honest order
+
+    def _listed(self) -> dict[tuple[int, int, int], str]:
+        """The previous stage's messages: (batch, stream, seq) -> key."""
+        ready = {}
+        for key in self.store.list(keys.stage_dir(self.prev)):
+            parsed = keys.parse_stage_key(key)
+            if parsed is not None and parsed[0] == self.prev:
+                ready[parsed[1:]] = key
+        return ready
 
     def _read(self, item: tuple[int, int, str]) -> bytes | None:
         try:
