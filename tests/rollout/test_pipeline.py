@@ -57,6 +57,7 @@ SERVER = textwrap.dedent("""
     backend = build_stage(config, int8_state(load_model(path)[0]), stage)
     group = Group("run", "g", tuple(f"w{i}" for i in range(n)))
     server = StageServer(backend, LocalStore(root), group, config.hidden_size)
+    open(f"{stop}.ready{k}", "w").close()
     server.serve(lambda: os.path.exists(stop))
 """)
 
@@ -201,6 +202,13 @@ def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None
         for k in range(1, count)
     ]
     try:
+        # The front's wait is for a step, not for a stage's start: loading
+        # SmolLM2 on busy cores outlasted it once.
+        deadline = time.monotonic() + 600
+        while not all(os.path.exists(f"{stop}.ready{k}") for k in range(1, count)):
+            assert all(p.poll() is None for p in procs), "a stage process exited"
+            assert time.monotonic() < deadline, "the stage processes did not start"
+            time.sleep(0.2)
         group = Group("run", "g", tuple(f"w{i}" for i in range(count)))
         keys_ = seeded_keys(11, 8)
         for temperature in (0.0, 1.0):
