@@ -4,13 +4,15 @@ of it is parsed, and an answer written whole, with its length.
 
 A body without a Content-Length (chunked, or none) is refused rather than
 read to its end, and so is one declared longer than the bound: the server
-then closes the connection, the body unread.
+then closes the connection, the body unread. `BoundedServer` holds at most
+so many connections, each on a thread of its own.
 """
 
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .untrusted import check_json
@@ -54,3 +56,29 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left: its answer goes nowhere
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A threaded HTTP server of at most `max_connections` connections: one
+    past the bound is closed at once (its thread would not be free)."""
+
+    daemon_threads = True
+    # The listen backlog: the standard library's 5 resets clients that
+    # connect together (a worker opens one per episode, or per tool call).
+    request_queue_size = 1024
+
+    def __init__(self, address, handler, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()

@@ -230,3 +230,21 @@ def test_colonnade_tools_serve_refuses_a_latency_out_of_range(tmp_path, capsys, 
     assert main(["tools", "serve", "--env", "smoke", "--key", str(key), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --latency-ms") and err.count("\n") == 1
+
+
+def test_a_worker_s_calls_out_at_once_are_all_answered_first_time():
+    """64 calls connect together (a worker's pool): none is reset by a short
+    listen backlog, so none waits out a retry."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colonnade.tools.service import Latency
+
+    svc = ToolService(lambda q: q, Ed25519PrivateKey.generate(), latency=Latency(0.2)).start()
+    try:
+        client = ToolClient(svc.url, public_key(svc.public_hex), Retry(tries=1, timeout=10.0))
+        with ThreadPoolExecutor(64) as pool:
+            replies = list(pool.map(lambda i: client.call(_call(f"q{i}")), range(64)))
+        assert [r.result for r in replies] == [f"q{i}" for i in range(64)]
+        assert client.retries == 0 and svc.calls == 64
+    finally:
+        svc.close()

@@ -23,11 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
-from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from colonnade.httpjson import BodyRefused, JsonHandler
+from colonnade.httpjson import BodyRefused, BoundedServer, JsonHandler
 
 from .batcher import Batcher, Busy
 from .requests import Job, RequestError, Served, chat_job, completion_job
@@ -90,29 +89,8 @@ class Endpoint:
         return respond(job, episodes, self.served, self.pieces)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # The listen backlog: the standard library's 5 resets clients that
-    # connect together (a worker's environment opens one per episode).
-    request_queue_size = 1024
+class _Server(BoundedServer):
     endpoint: Endpoint
-
-    def __init__(self, address, handler, max_connections: int) -> None:
-        super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
-
-    def process_request(self, request, client_address) -> None:
-        # A connection past the bound is closed at once: threads are not free.
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
 
 
 class _Handler(JsonHandler):

@@ -28,14 +28,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from colonnade.httpjson import BodyRefused, JsonHandler
+from colonnade.httpjson import BodyRefused, BoundedServer, JsonHandler
 from colonnade.untrusted import SchemaError
 
 from .signed import Call, Reply, key_hex, sign_reply
@@ -43,6 +42,9 @@ from .signed import Call, Reply, key_hex, sign_reply
 log = logging.getLogger("colonnade.tools")
 MAX_BODY_BYTES = 16 << 10  # a call: its query is at most 4,096 characters
 MEMO = 65_536  # calls whose replies are remembered
+# Connections served at once: a worker has up to 64 calls out
+# (rollout/episodes.py), and a fleet shares the service.
+MAX_CONNECTIONS = 512
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class ToolService:
         self.calls = 0
         self._memo: OrderedDict[Call, Reply] = OrderedDict()
         self._lock = threading.Lock()
-        self.httpd = _Server((host, port), _Handler)
+        self.httpd = _Server((host, port), _Handler, MAX_CONNECTIONS)
         self.httpd.service = self
         self._thread: threading.Thread | None = None
 
@@ -122,8 +124,7 @@ class ToolService:
         return made
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(BoundedServer):
     service: ToolService
 
 
