@@ -12,7 +12,7 @@ from colonnade.cli.main import main
 from colonnade.config import WorkerConfig
 from colonnade.engine import SamplingParams
 from colonnade.engine.loop import seeded_keys
-from colonnade.engine.stages import build_stage, plan_stages
+from colonnade.engine.stages import build_stage, plan_stages, stage_names, stage_skeleton
 from colonnade.model import int8_state
 from colonnade.model.loading import skeleton
 from colonnade.protocol import keys
@@ -169,3 +169,78 @@ def test_a_reply_that_does_not_check_gives_the_batch_up(tiny_dir, tiny, tmp_path
     store.put(keys.stage_key("w1", 42, 0, 0), forged)
     with pytest.raises(BadReply, match="stage 2"):
         front.generate([[1, 2, 3]], [lambda text: None], SamplingParams(), seeded_keys(0, 1))
+
+
+class _Served:
+    """A stage's server as the worker sees it: its version, no steps."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def poll_once(self) -> int:
+        return 0
+
+
+class _Loader:
+    def build(self, state, version):
+        return _Served(version)
+
+    def refresh(self, engine, state, changed, version):
+        engine.version = version
+
+
+def test_a_later_stage_fetches_a_newer_version_beside_its_steps(tmp_path, tiny_dir, caplog):
+    import torch
+
+    from colonnade.model import load_model, publishable_state
+    from colonnade.protocol import Publisher
+    from colonnade.rollout.stageweights import StageFollower
+    from colonnade.rollout.weights import Weights
+    from signed_runs import _write_signed_run
+
+    store = LocalStore(tmp_path / "run")
+    signer = _write_signed_run(store, anchor_every=2)
+    model, _ = load_model(tiny_dir)
+    publisher = Publisher(store, signer, "int8", anchor_every=2)
+    for _ in range(5):  # v0..v4
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        publisher.publish(publishable_state(model))
+    config = AutoConfig.from_pretrained(tiny_dir)
+    stage = plan_stages(skeleton(tiny_dir), 2)[1]
+    names = stage_names(*stage_skeleton(config, stage), stage)
+    cfg = WorkerConfig(store=str(tmp_path / "run"), id="b", stage="2/2", stage_group="a,b",
+                       poll_seconds=0.01)  # fmt: skip
+    worker = StageWorker(cfg, store)
+    follower = StageFollower(store, 2, signer.trust, lambda n: names.local(n) is not None)
+    worker.weights = Weights(follower, _Loader())
+    follower.sync(1)
+    worker.weights.load()
+
+    class _Watch:
+        latest = None
+
+        def poll(self):
+            return self.latest
+
+    worker.watch = _Watch()
+
+    def names_newest(v: int) -> None:
+        worker.watch.latest = type("Latest", (), {"version": v, "meta": None})()
+        worker._looked = 0.0
+        worker.iteration()
+        worker.weights.prefetch.wait()
+
+    # latest.json names v4: fetched in the background while the steps of v1 run on.
+    names_newest(4)
+    assert follower.version == 4 and worker.running_version == 1
+    caplog.set_level("INFO", logger="colonnade.worker")
+    # A step of v3 (the front began its batch before v4): the stage runs v3.
+    worker.catch_up(3)
+    assert follower.version == 3 and worker.running_version == 3
+    assert "fetched now" in caplog.text
+    # Then v4 again, fetched beside; its first step waits for the load alone.
+    names_newest(4)
+    assert follower.version == 4 and worker.running_version == 3
+    worker.catch_up(4)
+    assert worker.running_version == 4 and "fetched beside the steps" in caplog.text

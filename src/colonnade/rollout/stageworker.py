@@ -19,7 +19,8 @@ refused by the others.
 - Stages 2..N (`StageWorker`) serve steps (`pipeline.StageServer`) until
   the run is done or a signal stops them, with the worker's own heartbeat.
   A stage runs the version each step names: it catches up to a newer one
-  before the step (the step waits), and refuses an older one.
+  before the step (the step waits for the load; the fetch ran beside the
+  steps once latest.json named the version), and refuses an older one.
 
 Each stage holds only its own tensors (`stageweights.StageFollower`): it
 follows the run's versions as a worker does, but keeps, patches and loads
@@ -226,7 +227,8 @@ class StageWorker(_Stage, Worker):
 
     def iteration(self) -> None:
         """Take the steps that came; between them, look at latest.json now
-        and then (the run's end, and the first version to build from)."""
+        and then (the run's end, the first version to build from, and a
+        newer one to fetch beside the steps)."""
         if time.monotonic() - self._looked > self.cfg.poll_seconds:
             self._looked = time.monotonic()
             latest = self.watch.poll()
@@ -234,6 +236,11 @@ class StageWorker(_Stage, Worker):
                 self.weights.fetch(latest)  # the newest version: where the front starts too
                 self.weights.load()
                 log.info("stage ready at v%d", self.running_version)
+            elif (latest is not None and not self.weights.prefetch.busy
+                  and latest.version > self.weights.follower.version):  # fmt: skip
+                # The front takes the newest version at its next batch: its
+                # first step then waits for the load alone, not the fetch.
+                self.weights.prefetch.submit(lambda: self.weights.fetch(latest))
         if self.server is not None and self.server.poll_once():
             self._busy = time.monotonic()
             return
@@ -245,12 +252,16 @@ class StageWorker(_Stage, Worker):
         loaded before the step that named it runs."""
         t0 = time.perf_counter()
         before = self.running_version
-        self.weights.follower.sync(version)
+        self.weights.prefetch.wait()  # a fetch beside the steps; its error raises here
+        beside = self.weights.follower.version == version
+        if not beside:  # not fetched yet, or one newer than the front runs
+            self.weights.follower.sync(version)
         t1 = time.perf_counter()
         self.weights.load()
         self.tally.synced(t1 - t0, time.perf_counter() - t1)
-        log.info("now running v%d (was v%s; fetched %.2f s, loaded %.2f s)", version, before,
-                 t1 - t0, time.perf_counter() - t1)  # fmt: skip
+        log.info("now running v%d (was v%s; %s, waited %.2f s, loaded %.2f s)", version, before,
+                 "fetched beside the steps" if beside else "fetched now", t1 - t0,
+                 time.perf_counter() - t1)  # fmt: skip
 
     def run(self) -> int:
         try:
