@@ -94,3 +94,29 @@ def test_a_damaged_anchor_is_refused(published, tiny_dir, tmp_path):
     copy.put(keys.full_key(2), bytes(raw))
     with pytest.raises(VersionError, match="hash"):
         StageFollower(copy, 2, trust, _mine(tiny_dir, 0)).sync(2)
+
+
+def test_an_anchor_is_read_one_tensor_at_a_time_as_written(tmp_path):
+    from safetensors.torch import save_file
+
+    from colonnade.rollout.stageweights import _read_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(3, 4, generator=gen).to(torch.bfloat16),
+        "codes": torch.randint(-128, 127, (5, 2), dtype=torch.int8, generator=gen),
+        "scale": torch.rand(5, generator=gen),
+        "mask": torch.tensor([True, False]),
+        "none": torch.empty(0, 3),
+    }
+    path = tmp_path / "full.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    got = dict(_read_tensors(path))
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    # A file cut short: its last tensor lies past the end, refused.
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(ValueError, match="out of the file"):
+        dict(_read_tensors(cut))

@@ -23,12 +23,12 @@ never the whole model:
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from colonnade import pulse
 from colonnade.protocol import VersionError, keys, latest_version
@@ -39,6 +39,36 @@ from colonnade.pulse.decode import _decode_entry, _split  # one tensor of a patc
 from colonnade.pulse.format import unpack
 from colonnade.pulse.hashing import algo_of, leaf_hash
 from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
+
+# safetensors' dtype names
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+           "I32": torch.int32, "I64": torch.int64, "F16": torch.float16,
+           "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}  # fmt: skip
+
+
+def _read_tensors(path: Path):
+    """(name, tensor) of each tensor of a safetensors file in turn, read
+    rather than mapped: a mapping keeps every page it touched resident until
+    it closes, so hashing an anchor through one would hold the whole model
+    in the stage's resident memory, not its own share."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            raise ValueError("header length")
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            if not 0 <= start <= end <= size - 8 - n:
+                raise ValueError(f"{name}: offsets out of the file")
+            data = bytearray(end - start)
+            f.seek(8 + n + start)
+            if f.readinto(data) != len(data):
+                raise ValueError(f"{name}: short read")
+            dtype = _DTYPES[info["dtype"]]
+            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            yield name, flat.reshape(info["shape"])
 
 
 def _payload(store: ObjectStore, key: str, size: int, digest: str) -> bytes:
@@ -112,16 +142,14 @@ class StageFollower:
                 raise VersionError(f"{key}: payload hash differs from meta.json")
             own, shells, leaves = {}, {}, {}
             try:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 (a safetensors handle)
-                        t = f.get_tensor(name)
-                        leaves[name] = leaf_hash(t, algo)
-                        if self.mine(name):
-                            own[name] = t.clone()  # off the file's mapping, which closes
-                        else:  # its table line only: dtype, shape, leaf
-                            shells[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                        del t
-            except (SafetensorError, ValueError, OSError) as e:
+                for name, t in _read_tensors(path):
+                    leaves[name] = leaf_hash(t, algo)
+                    if self.mine(name):
+                        own[name] = t
+                    else:  # its table line only: dtype, shape, leaf
+                        shells[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    del t
+            except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
                 raise VersionError(f"{key}: not a readable safetensors file ({e})") from None
         if pulse.state_hash({**shells, **own}, algo, leaves) != meta.state_hash:
             raise VersionError(f"v{meta.version}: anchor does not hash to meta.json's state_hash")
