@@ -24,6 +24,7 @@ so a request runs exactly as the same row would in a batch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -51,6 +52,13 @@ Responder = Callable[[str], "str | Future[str | None] | None"]
 # How long an idle loop waits for a parked row's reply before looking again
 # (the responder's own timeouts bound the wait; this only paces the looks).
 PARKED_WAIT_S = 1.0
+# A row whose reply is on its way waits in place for up to this many of the
+# batch's steps (at most GRACE_MAX_S) before it is parked: parking and
+# rejoining each copy the batch's cache, about what a step reads, so a reply
+# due within a few steps is cheaper waited for; replies that come together
+# are then fed together, in one step, as when the batch waits for each.
+GRACE_STEPS = 4
+GRACE_MAX_S = 1.0
 
 
 @dataclass
@@ -133,6 +141,19 @@ class _Row:
 # fed one token, feeds the long chunks to their own rows first: padded into
 # the step, every other row would run that many pad tokens through the model.
 SPLIT_MIN = 8
+
+
+def _concat(parts: list[Session]) -> Session:
+    """One session of these sessions' rows, in order, joined in pairs: each
+    join copies both sides, so one after another would copy the first rows
+    once per part."""
+    while len(parts) > 1:
+        joined = []
+        for a, b in zip(parts[::2], parts[1::2], strict=False):
+            a.extend(b)
+            joined.append(a)
+        parts = joined + parts[len(joined) * 2 :]
+    return parts[0]
 
 
 def _split_replies(session: Session, live: list[_Row]) -> None:
@@ -296,6 +317,7 @@ class Engine:
         session: Session | None = None
         prefixes: dict[tuple[int, ...], Session] = {}  # prompts still to come
         parked: list[tuple[_Row, Session]] = []  # rows awaiting a reply, their caches
+        grace = 0.0  # how long a reply is waited for in place (GRACE_STEPS)
         while True:
             # Rows whose reply came go on (or end, on that reply) first.
             back = self._returned(parked)
@@ -309,7 +331,9 @@ class Engine:
             if busy == 0 and not handed and not back:
                 if not parked:
                     return
-                wait_any([r.waiting for r, _ in parked], PARKED_WAIT_S, FIRST_COMPLETED)
+                pending = [r.waiting for r, _ in parked]
+                if wait_any(pending, PARKED_WAIT_S, FIRST_COMPLETED).done:
+                    wait_any(pending, grace)  # the replies close behind rejoin with it
                 continue
             admit = [self._row(a, params, matchers) for a in handed]
             if admit:
@@ -320,9 +344,7 @@ class Engine:
                     prefixes = {p: s for p, s in prefixes.items() if p in wanted}
                 session, live = self._joined(session, live, part, admit)
             if back:
-                part = back[0][1]
-                for _, other in back[1:]:
-                    part.extend(other)
+                part = _concat([cache for _, cache in back])
                 session, live = self._joined(session, live, part, [r for r, _ in back])
             assert session is not None
             if None in live:
@@ -330,7 +352,9 @@ class Engine:
             if split_replies:
                 _split_replies(session, live)
             draws = np.array([r.draw() for r in live])
+            started = time.perf_counter()
             got = session.sample([r.pending for r in live], params, draws)
+            grace = min(GRACE_MAX_S, GRACE_STEPS * (time.perf_counter() - started))
             waiting = []
             for i, row in enumerate(live):
                 taken = (int(got.tokens[i]), float(got.logprobs[i]), float(got.below[i]))
@@ -340,7 +364,8 @@ class Engine:
                         row.done(row.episode)
                 elif row.waiting is not None:
                     waiting.append(i)
-            for i in waiting:  # its cache leaves with it; its place frees up
+            for i in self._awaited(live, waiting, grace):
+                # Its cache leaves with it; its place frees up.
                 parked.append((live[i], session.take([i])))
                 live[i] = None
             if all(r is None for r in live):
@@ -363,6 +388,25 @@ class Engine:
         session.extend(part)
         live.extend(rows)
         return session, live
+
+    def _awaited(self, live: list[_Row | None], waiting: list[int], grace: float) -> list[int]:
+        """Of the rows `waiting` on a reply, those it has not come to within
+        `grace` seconds (to be parked); the others take their reply in place,
+        or end on it."""
+        if grace > 0:
+            wait_any([live[i].waiting for i in waiting], grace)
+        still = []
+        for i in waiting:
+            row = live[i]
+            if not row.waiting.done():
+                still.append(i)
+                continue
+            reply, row.waiting = row.waiting.result(), None
+            if not self._replied(row, row.pending[0], reply):
+                live[i] = None
+                if row.done is not None:
+                    row.done(row.episode)
+        return still
 
     def _returned(self, parked: list[tuple[_Row, Session]]) -> list[tuple[_Row, Session]]:
         """The parked rows whose reply has come and that go on, taken out of
