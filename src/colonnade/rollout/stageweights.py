@@ -31,14 +31,13 @@ from pathlib import Path
 import torch
 
 from colonnade import pulse
-from colonnade.protocol import VersionError, keys, latest_version
+from colonnade.protocol import Follower, VersionError, keys
 from colonnade.protocol.schemas import VersionMeta
 from colonnade.protocol.signing import Trust
-from colonnade.protocol.weights import needed_meta
 from colonnade.pulse.decode import _decode_entry, _split  # one tensor of a patch at a time
 from colonnade.pulse.format import unpack
 from colonnade.pulse.hashing import algo_of, leaf_hash
-from colonnade.store import NotFound, ObjectStore, ObjectTooLarge
+from colonnade.store import ObjectStore, ObjectTooLarge
 
 # safetensors' dtype names
 _DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
@@ -82,41 +81,19 @@ def _payload(store: ObjectStore, key: str, size: int, digest: str) -> bytes:
     return data
 
 
-class StageFollower:
+class StageFollower(Follower):
     """The newest published version's tensors that `mine(name)` holds,
-    rebuilt and checked (the module docstring says how far)."""
+    rebuilt and checked (the module docstring says how far). `sync` and the
+    order of anchors and patches are `Follower`'s; what is read of each is
+    the stage's."""
 
     def __init__(
         self, store: ObjectStore, anchor_every: int, trust: Trust, mine: Callable[[str], bool]
     ):
-        self.store, self.anchor_every, self.trust, self.mine = store, anchor_every, trust, mine
-        self.state: dict[str, torch.Tensor] | None = None  # the stage's tensors, published names
-        self.version: int | None = None
-        self.state_hash: str | None = None  # the whole version's, as meta.json signs it
-        self.bytes_read = 0
-        self.anchors_read = 0
-        self._known: VersionMeta | None = None
-
-    def _meta(self, v: int) -> VersionMeta:
-        return needed_meta(self.store, v, self.trust, self._known)
-
-    def sync(self, target: int | None = None, known: VersionMeta | None = None) -> bool:
-        """Move to `target` (default: the newest version); True if the state
-        changed. As `Follower.sync`."""
-        target = latest_version(self.store, self.trust) if target is None else target
-        if target is None or target == self.version:
-            return False
-        self._known = known
-        meta = self._meta(target)
-        behind = None if self.version is None else target - self.version
-        if behind is None or behind < 0 or behind > self.anchor_every:
-            self._from_anchor(meta)
-            return True
-        try:
-            self._patch_to(target)
-        except (pulse.PatchError, VersionError, NotFound):
-            self._from_anchor(meta)
-        return True
+        # Not in place: a patch's changed tensors are new ones, so a worker
+        # tells what to load again by identity.
+        super().__init__(store, anchor_every, trust, in_place=False)
+        self.mine = mine
 
     def _from_anchor(self, target: VersionMeta) -> None:
         anchor = self._meta(target.anchor)
