@@ -23,10 +23,16 @@ measured). The
 stages work on different micro-batches at once, each taking a step at a
 time, stage k for its share s_k of the weights (the head counted):
 
-    steps/s = min(M / C(b), 1 / (max_k s_k * c(b)))
+    steps/s = min(M / C(b), 1 / (max_k s_k * c(b)), P / c(b))
     episodes/s = b * steps/s / T
 
-against one worker's E / (T * c(E)).
+against one worker's E / (T * c(E)). The last term is the compute the
+stages can run at once: a step's compute is c(b) across all stages, and P
+is how many steps' worth of it the machine runs at once for the group, in
+units of one process alone (measured: N processes of a fixed matmul loop
+at once against one alone, `--cores` to set it). With P = 1 the stages'
+compute does not overlap at all, only the hops do; with P >= N the term
+never binds and the model is the stages' own bound.
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-flight", default="1,2,4", help="comma list of micro-batches in flight")
     p.add_argument("--episodes", type=int, default=64, help="episodes a run (default 64)")
     p.add_argument("--tokens", type=int, default=16, help="tokens an episode (default 16)")
+    p.add_argument(
+        "--cores", type=float, default=None,
+        help="processes' worth of compute the stages run at once, for the model "
+        "(default: measured before each group)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
 
 
@@ -77,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     in_flight = _ints(args.in_flight, "in-flight", 1)
     if min(args.episodes, args.tokens) < 1:
         raise SystemExit("error: --episodes and --tokens must be >= 1")
+    if args.cores is not None and args.cores <= 0:
+        raise SystemExit("error: --cores must be > 0")
     rows = _rows(args, stages, latencies, in_flight)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -144,11 +157,14 @@ def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int]) -
     rows = []
     for n in stages:
         for latency in latencies:
-            rows.extend(_group_rows(setup, n, latency, in_flight, single))
+            cores = args.cores if args.cores is not None else _measure_cores(n)
+            log(f"{n} stages: {cores:.2f} processes' worth of compute at once")
+            rows.extend(_group_rows(setup, n, latency, in_flight, single, cores))
     return rows
 
 
-def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], single: float):
+def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], single: float,
+                cores: float):  # fmt: skip
     from transformers import AutoConfig
 
     from colonnade.engine.stages import build_stage, plan_stages
@@ -181,7 +197,9 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
                     "in_flight": m, "episodes": setup.episodes, "tokens": setup.tokens,
                     "episodes_s": round(setup.episodes / seconds, 3),
                     "single_episodes_s": round(single, 3),
-                    "predicted_episodes_s": round(_predict(setup, b, m, n, latency_ms, shares), 3),
+                    "predicted_episodes_s": round(
+                        _predict(setup, b, m, latency_ms, shares, cores), 3),
+                    "cores": round(cores, 2),
                     "layers": [[s.start, s.stop] for s in plan],
                 })  # fmt: skip
         finally:
@@ -192,11 +210,61 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
     return out
 
 
-def _predict(setup: _Setup, b: int, m: int, n: int, latency_ms: int, shares) -> float:
-    c = setup.step_seconds(b)
-    cycle = c + n * (HOP_REQUESTS * latency_ms / 1000 + _hop_overhead(setup, b))
-    steps_s = min(m / cycle, 1 / (max(shares) * c))
-    return b * steps_s / setup.tokens
+def _predict(setup: _Setup, b: int, m: int, latency_ms: int, shares, cores: float) -> float:
+    hop = HOP_REQUESTS * latency_ms / 1000 + _hop_overhead(setup, b)
+    return b * predicted_steps_s(setup.step_seconds(b), hop, m, shares, cores) / setup.tokens
+
+
+def predicted_steps_s(step_s: float, hop_s: float, in_flight: int, shares, cores: float) -> float:
+    """Micro-batch steps/s of a pipeline (the module's model): whole-model
+    step `step_s`, a hop `hop_s`, stage k holding `shares[k]` of the
+    compute, `cores` processes' worth of compute running at once."""
+    cycle = step_s + len(shares) * hop_s
+    return min(in_flight / cycle, 1 / (max(shares) * step_s), cores / step_s)
+
+
+def _measure_cores(n: int, rounds: int = 2) -> float:
+    """Processes' worth of compute `n` processes get at once here: n times
+    one process's time for a fixed matmul loop alone over its time when all
+    n run it together. Shared or busy cores bring it below n."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-m", "colonnade.bench.pipeline", "probe"]
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(n)]  # fmt: skip
+    try:
+        for p in procs:
+            p.stdout.readline()  # torch imported, weights made: timing may start
+        alone = together = 0.0
+        for _ in range(rounds):
+            alone += _probe_round(procs[:1])
+            together += _probe_round(procs) / n
+        return min(float(n), n * alone / together)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+
+
+def _probe_round(procs: list) -> float:
+    """The processes' seconds for one run of the loop each, all started at once, summed."""
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return sum(float(p.stdout.readline()) for p in procs)
+
+
+def _probe(iterations: int = 60) -> None:
+    """A probe process: a weight too big for the caches, streamed through a
+    matmul the way a step streams a layer's, timed once per `go` line."""
+    import torch
+
+    w, x = torch.randn(4096, 2048), torch.randn(16, 2048)
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            x @ w.T
+        print(time.perf_counter() - t0, flush=True)
 
 
 def _hop_overhead(setup: _Setup, rows: int, repeats: int = 20) -> float:
@@ -317,4 +385,4 @@ def _table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1:])
+    _probe() if sys.argv[1:] == ["probe"] else _serve(sys.argv[1:])
