@@ -608,3 +608,38 @@ def test_a_late_reply_that_ends_or_overflows_the_episode_ends_it(case):
         done, flooded = engine.generate(prompts, [ends, floods], params, keys=keys)
     assert (done.finish, flooded.finish) == ("done", "overflow")
     assert all(done.from_model) and all(flooded.from_model) and len(flooded.turns) == 1
+
+
+def test_a_reply_that_comes_within_the_grace_is_taken_in_place(case, monkeypatch):
+    # A service fast beside a step: its Futures are done by the time the
+    # turn ends, so no row leaves the batch (each park and rejoin copies the
+    # cache) and the replies are fed together, as when each is given at once.
+    engine = case.engine
+    prompts = _groups(engine.tokenizer, 2)
+    keys = seeded_keys(8, len(prompts))
+    params = _streamed_params(case, max_turn_tokens=5, max_episode_tokens=60)
+    turns = lambda i: 1 + i % 3  # noqa: E731
+    parked = []
+    awaited = type(engine)._awaited
+
+    def counted(self, live, waiting, grace):
+        still = awaited(self, live, waiting, grace)
+        parked.extend(still)
+        return still
+
+    monkeypatch.setattr(type(engine), "_awaited", counted)
+
+    def done_at_once(respond):
+        def reply(text):
+            f = Future()
+            f.set_result(respond(text))
+            return f
+
+        return reply
+
+    at_once = engine.generate(prompts, _responders(len(prompts), turns), params, keys=keys)
+    futures = [done_at_once(r) for r in _responders(len(prompts), turns)]
+    came = engine.generate(prompts, futures, params, keys=keys)
+    assert parked == [] and sum(not m for ep in came for m in ep.from_model) > 0
+    for a, b in zip(at_once, came, strict=True):
+        _same(a, b, case.tol)
