@@ -24,6 +24,7 @@ from colonnade.protocol.reader import open_run
 from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.store import LocalStore
 from colonnade.train.checkpoint import read_state
+from procs import wait_until
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -69,14 +70,6 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and "State:\tZ" in status.read_text())
 
 
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while not cond():
-        assert all(p.poll() is None for p in procs), f"a process ended before {what}"
-        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(600)
 def test_run_with_two_trainer_ranks_learns(cache, tmp_path):
     cache_root, _ = cache
@@ -114,14 +107,14 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(cache, tmp_path):
     job = _torchrun(args, tmp_path / "job1.log", env)
     worker = None
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [job])
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", [job])
         trust = open_run(store, trusted_fingerprint(str(pub))).trust
         worker = subprocess.Popen(
             [sys.executable, "-m", "colonnade", "worker", "--store", str(root), "--id", "w1",
              "--trust", str(pub)],
             stdout=(tmp_path / "w1.log").open("w"), stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-        _wait(lambda: (latest_version(store, trust) or 0) >= 4, 240, "v4", [job, worker])
+        wait_until(lambda: (latest_version(store, trust) or 0) >= 4, 240, "v4", [job, worker])
         pids = dict(re.findall(r"rank (\d) of 2 on cpu \(gloo\), pid (\d+)",
                                (tmp_path / "job1.log").read_text()))  # fmt: skip
         os.kill(int(pids["1"]), signal.SIGKILL)

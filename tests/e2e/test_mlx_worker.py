@@ -15,7 +15,7 @@ from colonnade.protocol.documents import ConsumedLedger, WorkerHeartbeat, read_d
 from colonnade.protocol.reader import open_run
 from colonnade.store import LocalStore
 from colonnade.telemetry import trainer_rows
-from e2e.test_trainer_workers import _spawn, _wait
+from procs import spawn, wait_until
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
@@ -26,7 +26,7 @@ MAX_VERSIONS = 6
 def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    trainer = _spawn(
+    trainer = spawn(
         [
             "trainer",
             "--store",
@@ -43,7 +43,7 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
     store = LocalStore(root)
     workers = []
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
         view = open_run(store)
         inbox, trust = view.inbox, view.trust
         # One at a time: the torch worker alone would finish the smoke run
@@ -53,7 +53,7 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
         # workers' batches are trained on whatever their speeds.
         for name, engine, extra in (("mac", "mlx", ["--max-batches", "6"]), ("pc", "torch", [])):
             workers.append(
-                _spawn(
+                spawn(
                     [
                         "worker",
                         "--store",
@@ -71,7 +71,7 @@ def test_mlx_and_torch_workers_train_one_run(tmp_path, mlx_ready):
                 )
             )
             heartbeat = keys.heartbeat_key(name)
-            _wait(lambda k=heartbeat: inbox.exists(k), 120, f"{name}'s first batch", workers)
+            wait_until(lambda k=heartbeat: inbox.exists(k), 120, f"{name}'s first batch", workers)
         assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for w in workers:
             assert w.wait(timeout=60) == 0

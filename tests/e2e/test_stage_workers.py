@@ -18,8 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -29,6 +27,7 @@ from colonnade.protocol.reader import open_run
 from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.store import LocalStore
 from colonnade.telemetry import trainer_rows
+from procs import spawn, wait_until
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
@@ -38,37 +37,17 @@ KILL_AT = 2  # the version after which stage 2 is killed
 GROUP = "front,back"
 
 
-def _spawn(args, log: Path, env):
-    return subprocess.Popen(
-        [sys.executable, "-m", "colonnade.cli.main", *args],
-        stdout=log.open("a"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-
-
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while not cond():
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: a process exited with {p.returncode}")
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(600)
 def test_a_two_stage_group_makes_the_runs_batches_and_survives_a_stage_kill(tmp_path):
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     key, pub = new_keypair("trainer", tmp_path / "keys")
-    trainer = _spawn(
+    trainer = spawn(
         ["trainer", "--store", str(root), "--preset", "smoke", "--key", str(key),
          "--max-versions", str(MAX_VERSIONS), "--anchor-every", "2", "--retain-all",
          "--spot-rate", "1", "--spot-logp-tolerance", "0.06",
          "--spot-interval-tolerance", "0.025"],
-        tmp_path / "trainer.log", env,
+        tmp_path / "trainer.log", env, append=True,
     )  # fmt: skip
     store = LocalStore(root)
     logs = {k: tmp_path / f"stage{k}.log" for k in (1, 2)}
@@ -77,20 +56,22 @@ def test_a_two_stage_group_makes_the_runs_batches_and_survives_a_stage_kill(tmp_
         worker = ["worker", "--store", str(root), "--trust", str(pub), "--id",
                   GROUP.split(",")[k - 1], "--stage", f"{k}/2", "--stage-group", GROUP,
                   "--stage-timeout", "10"]  # fmt: skip
-        return _spawn(worker, logs[k], env)
+        return spawn(worker, logs[k], env, append=True)
 
     stages = {}
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
         trust = open_run(store, trusted_fingerprint(str(pub))).trust
         stages = {1: stage(1), 2: stage(2)}
         procs = [trainer, *stages.values()]
-        _wait(lambda: (latest_version(store, trust) or 0) >= KILL_AT, 300, f"v{KILL_AT}", procs)
+        wait_until(
+            lambda: (latest_version(store, trust) or 0) >= KILL_AT, 300, f"v{KILL_AT}", procs
+        )
         stages[2].send_signal(signal.SIGKILL)
         stages[2].wait()
         # The front waits out its timeout and gives the batch up.
-        _wait(lambda: "batch given up" in logs[1].read_text(), 120, "a batch given up",
-              [trainer, stages[1]])  # fmt: skip
+        wait_until(lambda: "batch given up" in logs[1].read_text(), 120, "a batch given up",
+                   [trainer, stages[1]])  # fmt: skip
         given_up_at = latest_version(store, trust)
         stages[2] = stage(2)
         assert trainer.wait(timeout=400) == 0, (tmp_path / "trainer.log").read_text()[-3000:]

@@ -11,10 +11,6 @@ with LoRA (the workers run the adapters unmerged; checkpoints hold them alone).
 
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -26,32 +22,13 @@ from colonnade.protocol.signing import new_keypair, trusted_fingerprint
 from colonnade.pulse.quant import is_adapter
 from colonnade.store import LocalStore
 from colonnade.telemetry import trainer_rows
+from procs import spawn, wait_until
 from run_checks import check_consumed, check_versions
 
 pytestmark = pytest.mark.procs  # separate processes: not in the fast lane
 
 MAX_VERSIONS = 7
 MAX_LAG = 1
-
-
-def _spawn(args, log: Path, env):
-    return subprocess.Popen(
-        [sys.executable, "-m", "colonnade.cli.main", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-
-
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while not cond():
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: a process exited with {p.returncode}")
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(420)
@@ -79,26 +56,26 @@ def test_run_survives_a_trainer_kill(tmp_path, lora):
         str(key),
         *(["--lora-rank", "8"] if lora else []),
     ]
-    trainer = _spawn(trainer_args, tmp_path / "trainer1.log", env)
+    trainer = spawn(trainer_args, tmp_path / "trainer1.log", env)
     store = LocalStore(root)
     workers = []
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
         view = open_run(store, trusted_fingerprint(str(pub)))  # signed with the key given
         trust = view.trust
         workers = [
-            _spawn(
+            spawn(
                 ["worker", "--store", str(root), "--id", f"w{i}", "--trust", str(pub)],
                 tmp_path / f"w{i}.log",
                 env,
             )
             for i in (1, 2)
         ]
-        _wait(lambda: (latest_version(store, trust) or 0) >= 3, 180, "v3", [trainer, *workers])
+        wait_until(lambda: (latest_version(store, trust) or 0) >= 3, 180, "v3", [trainer, *workers])
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         killed_at = latest_version(store, trust)
-        trainer = _spawn([*trainer_args, "--takeover"], tmp_path / "trainer2.log", env)
+        trainer = spawn([*trainer_args, "--takeover"], tmp_path / "trainer2.log", env)
         assert trainer.wait(timeout=240) == 0, (tmp_path / "trainer2.log").read_text()[-3000:]
         for w in workers:
             assert w.wait(timeout=60) == 0  # they see done.json and exit cleanly

@@ -16,8 +16,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,27 +30,12 @@ from colonnade.protocol.schemas import SchemaError
 from colonnade.protocol.signing import Signer, fingerprint, load_public, new_keypair
 from colonnade.store import LocalStore
 from colonnade.telemetry import read_trainer_rows, read_worker_rows
+from procs import spawn, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 MAX_VERSIONS = 16
 HERE = Path(__file__).parent
-
-
-def _spawn(args, log: Path, env, script=None):
-    cmd = [sys.executable, script] if script else [sys.executable, "-m", "colonnade.cli.main"]
-    return subprocess.Popen([*cmd, *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while not cond():
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: a process exited with {p.returncode}")
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def _run(tmp: Path, hostile: bool) -> dict:
@@ -90,13 +73,13 @@ def _run(tmp: Path, hostile: bool) -> dict:
     store = LocalStore(root)
     trust = fingerprint(load_public(tkey / "trainer.pub")[1])
     logs = {"trainer": tmp / "trainer1.log"}
-    trainer = _spawn(trainer_args, logs["trainer"], env)
+    trainer = spawn(trainer_args, logs["trainer"], env)
     procs, attacker, workers = [trainer], None, []
     stop = tmp / "stop-attacking"
     try:
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", [trainer])
         if hostile:
-            attacker = _spawn(
+            attacker = spawn(
                 [str(root), str(keydir), str(stop)],
                 tmp / "attacker.log",
                 env,
@@ -105,7 +88,7 @@ def _run(tmp: Path, hostile: bool) -> dict:
             _tamper_before_join(store)
             # The flood lands before the workers join: the trainer meets it at once.
             flooded = lambda: "junk objects" in (tmp / "attacker.log").read_text()  # noqa: E731
-            _wait(flooded, 300, "the flood", [trainer, attacker])
+            wait_until(flooded, 300, "the flood", [trainer, attacker])
         for w in ("w1", "w2"):
             args = [
                 "worker",
@@ -119,11 +102,11 @@ def _run(tmp: Path, hostile: bool) -> dict:
                 str(tkey / "trainer.pub"),
             ]
             logs[w] = tmp / f"{w}.log"
-            workers.append(_spawn(args, logs[w], env))
+            workers.append(spawn(args, logs[w], env))
         view = open_run(store, trust)
         if hostile:
             half = MAX_VERSIONS // 2
-            _wait(
+            wait_until(
                 lambda: (latest_version(store, view.trust) or 0) >= half,
                 300,
                 "half the run",
@@ -133,7 +116,7 @@ def _run(tmp: Path, hostile: bool) -> dict:
             trainer.wait()
             _plant_resume_junk(store, view.spec.run_id)
             logs["trainer2"] = tmp / "trainer2.log"
-            trainer = _spawn(trainer_args, logs["trainer2"], env)  # no --takeover: see _plant
+            trainer = spawn(trainer_args, logs["trainer2"], env)  # no --takeover: see _plant
         assert trainer.wait(timeout=420) == 0, logs.get("trainer2", logs["trainer"]).read_text()[
             -4000:
         ]

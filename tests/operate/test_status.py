@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from colonnade.protocol.metrics import TrainerRow, WorkerRow
 from colonnade.store import LocalStore
 from colonnade.telemetry import Telemetry
 from heartbeats import worker_heartbeat
+from procs import spawn, wait_until
 
 NOW = 1_000_000.0
 WORKER_FIELDS = {"id", "engine", "version", "lag", "state", "flags", "tokens_per_s",
@@ -311,19 +310,6 @@ def test_watch_repeats_until_ctrl_c(tmp_path, signed_run, capsys, monkeypatch):
 # -- a live run --------------------------------------------------------------------------------
 
 
-def _spawn(args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "colonnade.cli.main", *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)  # fmt: skip
-
-
-def _wait(cond, timeout: float, what: str, procs) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert all(p.poll() is None for p in procs), f"{what}: a process exited"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-
-
 @pytest.mark.procs
 @pytest.mark.timeout(420)
 def test_status_of_a_live_run(tmp_path, capsys):
@@ -338,20 +324,20 @@ def test_status_of_a_live_run(tmp_path, capsys):
     key, pub = new_keypair("trainer", tmp_path / "keys")
     trainer = ["trainer", "--store", str(root), "--preset", "smoke", "--key", str(key),
                "--max-versions", "1000", "--max-lag", "1"]  # fmt: skip
-    procs = [_spawn(trainer, tmp_path / "trainer.log", env)]
+    procs = [spawn(trainer, tmp_path / "trainer.log", env)]
     try:
         store = LocalStore(root)
-        _wait(lambda: store.exists(keys.RUN), 120, "run.json", procs)
+        wait_until(lambda: store.exists(keys.RUN), 120, "run.json", procs)
         view = open_run(store, trusted_fingerprint(str(pub)))
         ids = ("w1", "w2", "w3")
-        procs += [_spawn(["worker", "--store", str(root), "--id", w, "--trust", str(pub)],
+        procs += [spawn(["worker", "--store", str(root), "--id", w, "--trust", str(pub)],
                          tmp_path / f"{w}.log", env) for w in ids]  # fmt: skip
 
         def working() -> bool:
             listing = list_inbox(view.inbox)
             return set(listing.heartbeats) >= set(ids) and set(listing.segments) >= set(ids)
 
-        _wait(working, 180, "every worker's heartbeat and rows", procs)
+        wait_until(working, 180, "every worker's heartbeat and rows", procs)
         procs[2].send_signal(signal.SIGKILL)  # w2
         procs[2].wait()
         hb = root / keys.INBOX / keys.heartbeat_key("w2")
