@@ -21,18 +21,27 @@ and the next finds it (one and a half); o(b) is what a message costs beside
 its round trips (packed, written to a local store, read, checked;
 measured). The
 stages work on different micro-batches at once, each taking a step at a
-time, stage k for its share s_k of the weights (the head counted):
+time, stage k for its share s_k of the weights (the head counted), on the
+P processes' worth of compute the machine gives them at once (measured: N
+processes of a fixed matmul loop together against one alone; `--cores`).
+The M micro-batches go round a closed loop, each cycle N round-trip waits
+(2.5 * latency a hop) and W(b) = c(b) + N * o(b) of compute (a step's
+layers and its messages' packing and checks) queued for the cores, solved
+by mean-value analysis (P cores as one queue of demand W / P beside a wait
+of W - W / P, Seidmann's approximation):
 
-    steps/s = min(M / C(b), 1 / (max_k s_k * c(b)), P / c(b))
+    D = W(b) / P,  Z = N * 2.5 * latency + W(b) - D
+    R_k = D * (1 + Q_{k-1}),  X_k = k / (R_k + Z),  Q_k = X_k * R_k,  k = 1 .. M
+    steps/s = min(X_M, 1 / (max_k s_k * c(b)))
     episodes/s = b * steps/s / T
 
-against one worker's E / (T * c(E)). The last term is the compute the
-stages can run at once: a step's compute is c(b) across all stages, and P
-is how many steps' worth of it the machine runs at once for the group, in
-units of one process alone (measured: N processes of a fixed matmul loop
-at once against one alone, `--cores` to set it). With P = 1 the stages'
-compute does not overlap at all, only the hops do; with P >= N the term
-never binds and the model is the stages' own bound.
+against one worker's E / (T * c(E)). At M = 1 it is 1 / C(b); as M grows
+it reaches min(P / W(b), 1 / (max_k s_k * c(b))): on one core the stages'
+compute never overlaps, only the round trips hide behind it; with a core
+per stage and free messages (o = 0) the ends are the bound
+min(M / C(b), 1 / (max_k s_k * c(b))) the model had before it counted
+cores, and the knee between is lower, where micro-batches wait on each
+other for a core.
 """
 
 from __future__ import annotations
@@ -192,14 +201,20 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
                                setup.keys)  # fmt: skip
                 seconds = time.perf_counter() - t0
                 b = -(-setup.episodes // m)
+                step = setup.step_seconds(b)
+                message = _hop_overhead(setup, b)
+                hop = HOP_REQUESTS * latency_ms / 1000 + message
+                steps_s = predicted_steps_s(step, hop, m, shares, cores, message)
                 out.append({
                     "model": Path(setup.path).name, "stages": n, "latency_ms": latency_ms,
                     "in_flight": m, "episodes": setup.episodes, "tokens": setup.tokens,
                     "episodes_s": round(setup.episodes / seconds, 3),
                     "single_episodes_s": round(single, 3),
-                    "predicted_episodes_s": round(
-                        _predict(setup, b, m, latency_ms, shares, cores), 3),
-                    "cores": round(cores, 2),
+                    "predicted_episodes_s": round(b * steps_s / setup.tokens, 3),
+                    # The model's inputs, so that its terms can be read off a row.
+                    "step_s": round(step, 4), "hop_s": round(hop, 4),
+                    "message_s": round(message, 4), "cores": round(cores, 2),
+                    "shares": [round(x, 3) for x in shares],
                     "layers": [[s.start, s.stop] for s in plan],
                 })  # fmt: skip
         finally:
@@ -210,17 +225,22 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
     return out
 
 
-def _predict(setup: _Setup, b: int, m: int, latency_ms: int, shares, cores: float) -> float:
-    hop = HOP_REQUESTS * latency_ms / 1000 + _hop_overhead(setup, b)
-    return b * predicted_steps_s(setup.step_seconds(b), hop, m, shares, cores) / setup.tokens
-
-
-def predicted_steps_s(step_s: float, hop_s: float, in_flight: int, shares, cores: float) -> float:
+def predicted_steps_s(
+    step_s: float, hop_s: float, in_flight: int, shares, cores: float, message_s: float = 0.0
+) -> float:
     """Micro-batch steps/s of a pipeline (the module's model): whole-model
-    step `step_s`, a hop `hop_s`, stage k holding `shares[k]` of the
-    compute, `cores` processes' worth of compute running at once."""
-    cycle = step_s + len(shares) * hop_s
-    return min(in_flight / cycle, 1 / (max(shares) * step_s), cores / step_s)
+    step `step_s`, a hop `hop_s` of which `message_s` is compute, stage k
+    holding `shares[k]` of the layers' compute, `cores` processes' worth of
+    compute running at once."""
+    work = step_s + len(shares) * message_s
+    queued = work / cores
+    wait = len(shares) * (hop_s - message_s) + work - queued
+    waiting = 0.0  # micro-batches queued or computing, on average
+    for k in range(1, in_flight + 1):
+        residence = queued * (1 + waiting)
+        steps_s = k / (residence + wait)
+        waiting = steps_s * residence
+    return min(steps_s, 1 / (max(shares) * step_s))
 
 
 def _measure_cores(n: int, rounds: int = 2) -> float:
