@@ -101,7 +101,11 @@ def test_torch_engine_runs_the_architecture(arch):
 # decode step and in teacher forcing, and an MoE token whose top-k experts
 # tie within that rounding is routed differently (a gap of tenths, not a
 # layout bug). These tests are about the layout; the kernels have theirs.
-TORCH_TOL = {"fp32": 1e-4, "int8": 1e-3}
+# int8 layers round their input to bf16: an fp32 value that a batch's
+# summation order moves across a rounding boundary changes by one bf16 unit,
+# which a tiny random model carries to a few 1e-3 nats (seen on AMD EPYC, at
+# one token of 96 of Phi-3). fp32 has no such step.
+TORCH_TOL = {"fp32": 1e-4, "int8": 5e-3}
 
 
 def _torch_engine(arch: str, precision: str, monkeypatch):
