@@ -301,11 +301,12 @@ def test_worker_keys_without_a_key_are_one_line_and_nothing_written(tmp_path, ca
     assert not (store / "run.json").exists()
 
 
-def test_cpu_offload_off_cuda_is_one_line(tmp_path, capsys):
+def test_cpu_offload_off_cuda_is_one_line(tmp_path, capsys, tiny_dir):
     # FSDP2's CPU offload moves states between host and GPU: on the CPU it
-    # means nothing, and the trainer says so before writing anything.
+    # means nothing, and the trainer says so before writing anything. (The
+    # model is one already built: building prints its own progress.)
     store = tmp_path / "s"
-    rc = main(["trainer", "--store", str(store), "--env", "smoke", "--model", "tiny",
+    rc = main(["trainer", "--store", str(store), "--env", "smoke", "--model", tiny_dir,
                "--cpu-offload"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "cpu_offload needs a CUDA device" in err[0]
