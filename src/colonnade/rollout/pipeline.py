@@ -133,6 +133,23 @@ def _delete(store: ObjectStore, key: str) -> None:
         store.delete(key)
 
 
+def _messages(store: ObjectStore, worker: str) -> dict[tuple[int, int, int], str]:
+    """Stage `worker`'s messages in the store: (batch, stream, seq) -> key."""
+    out = {}
+    for key in store.list(keys.stage_dir(worker)):
+        parsed = keys.parse_stage_key(key)
+        if parsed is not None and parsed[0] == worker:
+            out[parsed[1:]] = key
+    return out
+
+
+def _delete_before(store: ObjectStore, worker: str, batch: int) -> None:
+    """Delete stage `worker`'s messages of batches older than `batch`."""
+    for (b, _, _), key in _messages(store, worker).items():
+        if b < batch:
+            _delete(store, key)
+
+
 class Journal:
     """One stream's cache cuts since its last step, in order; cache ids."""
 
@@ -340,22 +357,13 @@ class Front:
         """A number above every batch the group's stages hold messages of: a
         later stage takes only a batch newer than its last, so a front that
         restarts (or a second front on the same store) numbers on from there."""
-        first = int(time.time()) % 10_000_000
-        for worker in self.group.workers:
-            for key in self.store.list(keys.stage_dir(worker)):
-                parsed = keys.parse_stage_key(key)
-                if parsed is not None and parsed[0] == worker:
-                    first = max(first, parsed[1] + 1)
-        return first
+        held = [b for w in self.group.workers for b, _, _ in _messages(self.store, w)]
+        return max([int(time.time()) % 10_000_000, *(b + 1 for b in held)])
 
     def _clear(self, batch: int) -> None:
         """Delete this stage's messages of older batches: a batch given up
         (`StageTimeout`) leaves its last steps unanswered."""
-        me = self.group.workers[0]
-        for key in self.store.list(keys.stage_dir(me)):
-            parsed = keys.parse_stage_key(key)
-            if parsed is not None and parsed[0] == me and parsed[1] < batch:
-                _delete(self.store, key)
+        _delete_before(self.store, self.group.workers[0], batch)
 
 
 class _Caches:
@@ -469,7 +477,7 @@ class StageServer:
         under_way = [(stream, seq, keys.stage_key(self.prev, self.batch, stream, seq))
                      for stream, seq in sorted(self.next.items())
                      if stream not in self.broken]  # fmt: skip
-        listing = self.io.submit(self._listed)
+        listing = self.io.submit(_messages, self.store, self.prev)
         found = list(self.io.map(self._read, under_way))
         ready = listing.result()
         newest = max((b for b, _, _ in ready), default=-1)
@@ -496,15 +504,6 @@ class StageServer:
                 else:
                     self.broken.add(stream)  # listed, then gone: not its writer's honest order
 
-    def _listed(self) -> dict[tuple[int, int, int], str]:
-        """The previous stage's messages: (batch, stream, seq) -> key."""
-        ready = {}
-        for key in self.store.list(keys.stage_dir(self.prev)):
-            parsed = keys.parse_stage_key(key)
-            if parsed is not None and parsed[0] == self.prev:
-                ready[parsed[1:]] = key
-        return ready
-
     def _read(self, item: tuple[int, int, str]) -> bytes | None:
         try:
             return self.store.get(item[2], max_bytes=MAX_STAGE_BYTES)
@@ -513,10 +512,7 @@ class StageServer:
 
     def _new_batch(self, batch: int) -> None:
         self.flush()
-        for key in self.store.list(keys.stage_dir(self.me)):
-            parsed = keys.parse_stage_key(key)
-            if parsed is not None and parsed[1] < batch:
-                _delete(self.store, key)
+        _delete_before(self.store, self.me, batch)
         self.batch, self.caches, self.next, self.broken = batch, {}, {}, set()
 
     def _take(self, stream: int, seq: int, raw: bytes) -> None:
