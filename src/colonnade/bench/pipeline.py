@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cores", type=float, default=None,
         help="processes' worth of compute the stages run at once, for the model "
-        "(default: measured before each group)",
+        "(default: measured once for each number of stages)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
 
@@ -165,9 +165,9 @@ def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int]) -
     single = args.episodes / (args.tokens * single_step)
     rows = []
     for n in stages:
+        cores = args.cores if args.cores is not None else _measure_cores(n)
+        log(f"{n} stages: {cores:.2f} processes' worth of compute at once")
         for latency in latencies:
-            cores = args.cores if args.cores is not None else _measure_cores(n)
-            log(f"{n} stages: {cores:.2f} processes' worth of compute at once")
             rows.extend(_group_rows(setup, n, latency, in_flight, single, cores))
     return rows
 
