@@ -401,11 +401,8 @@ class Engine:
             if not row.waiting.done():
                 still.append(i)
                 continue
-            reply, row.waiting = row.waiting.result(), None
-            if not self._replied(row, row.pending[0], reply):
+            if not self._came(row):
                 live[i] = None
-                if row.done is not None:
-                    row.done(row.episode)
         return still
 
     def _returned(self, parked: list[tuple[_Row, Session]]) -> list[tuple[_Row, Session]]:
@@ -416,13 +413,20 @@ class Engine:
             if not row.waiting.done():
                 still.append((row, cache))
                 continue
-            reply, row.waiting = row.waiting.result(), None
-            if self._replied(row, row.pending[0], reply):
+            if self._came(row):
                 back.append((row, cache))
-            elif row.done is not None:
-                row.done(row.episode)
         parked[:] = still
         return back
+
+    def _came(self, row: _Row) -> bool:
+        """Its awaited reply (done) taken: False when it ended the episode,
+        which is then handed to the row's `done`."""
+        reply, row.waiting = row.waiting.result(), None
+        if self._replied(row, row.pending[0], reply):
+            return True
+        if row.done is not None:
+            row.done(row.episode)
+        return False
 
     def _row(self, episode: Admission, params: SamplingParams, matchers: dict) -> _Row:
         limits = episode.limits or params
