@@ -9,6 +9,9 @@
   600-byte document nested deeply enough raised RecursionError out of the
   parser (and a shallower one out of whatever walked the result). The depth
   is measured on the raw bytes, in a few vectorised passes, before parsing.
+- `host_port`: a network address someone else wrote (a stage's, in the
+  inbox), or a flag's, as (host, port): a host name, an IPv4 address or a
+  bracketed IPv6 one, nothing a URL could smuggle in beside it.
 - `need`, `is_int`, `is_number`: the checks of a parsed value's type and
   range, one version for the protocol's documents, a patch's header, metric
   rows and config files. A bool is not a number here (JSON's `true` would
@@ -21,9 +24,11 @@ config (which takes the checks from here) stays light.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from typing import Any
 
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")
 MAX_JSON_DEPTH = 32  # protocol documents nest 5 levels at most
 MAX_INT = 1 << 62  # past any count, size or version a document holds honestly
 # One decompression context per thread (contexts are not thread-safe): making
@@ -133,3 +138,18 @@ def is_number(x: Any, finite: bool = True) -> bool:
     return (
         isinstance(x, int | float) and not isinstance(x, bool) and (not finite or math.isfinite(x))
     )
+
+
+def host_port(text: Any, any_port: bool = False) -> tuple[str, int]:
+    """(host, port) of `HOST:PORT` (`[V6]:PORT` for IPv6, the brackets
+    dropped); ValueError naming what is wrong. `any_port`: port 0 (any free
+    one, for a listener) is taken too."""
+    if not isinstance(text, str):
+        raise ValueError("an address is HOST:PORT")
+    host, sep, port = text.rpartition(":")
+    digits = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not _HOST.fullmatch(host) or not digits:
+        raise ValueError(f"{text[:300]!r}: an address is HOST:PORT ([V6]:PORT for IPv6)")
+    if not (0 if any_port else 1) <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: the port is {0 if any_port else 1} to 65535")
+    return host.strip("[]"), int(port)

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from colonnade.store import NotFound, ObjectStore, StoreError, StoreUnavailable
-from colonnade.untrusted import SchemaError, is_int, is_number, need
+from colonnade.untrusted import SchemaError, host_port, is_int, is_number, need
 
-from .keys import check_worker_id, parse_rollout_key
+from .keys import check_worker_id, parse_rollout_key, parse_stage_link_key
 from .schemas import MAX_JSON_BYTES, _same_fields, dumps, loads
 from .signing import SignatureRejected, Signer, Trust, open_doc, read_envelope, seal_doc
 
@@ -184,6 +184,61 @@ def open_claim(data: bytes, key: str, run_id: str, keyring: dict | None) -> Clai
             raise SignatureRejected("unknown_key", f"{key}: {claim.worker!r} is not registered")
         open_doc(env, run_id, public)
     return claim
+
+
+@dataclass(frozen=True)
+class StageAddress:
+    """{worker}/stage-link.json in the inbox: where a pipeline stage on a
+    direct link (`rollout/stagelink.py`) takes the messages of the stage
+    before it, rewritten each time the stage starts. Signed in a signed run
+    (the worker's registered key, as its claims): an address is where a
+    stage's activations go, so only the stage itself may name it."""
+
+    MAX_BYTES: ClassVar[int] = 4096
+
+    worker: str  # the stage's id; must be the key's
+    group: str  # its group's name (`stageworker.group_name`): a doc of another group is stale
+    address: str  # HOST:PORT to dial ([V6]:PORT)
+    time: float  # when written, seconds since the epoch (the writer's clock; informational)
+
+    def to_json(self) -> bytes:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StageAddress:
+        d = loads(data, cls.MAX_BYTES)
+        _same_fields(cls, d, "stage address")
+        _worker(d["worker"], "worker")
+        _text(d["group"], "group", empty=False)
+        try:
+            host_port(d["address"])
+        except ValueError as e:
+            raise SchemaError(f"address: {e}") from None
+        _time(d["time"], "time")
+        return cls(**d)
+
+
+def seal_stage_address(private, run_id: str, key: str, doc: StageAddress) -> bytes:
+    """A stage's address at `key`, signed with its key (None: an open run, unsigned)."""
+    return seal_doc(private, run_id, key, json.loads(doc.to_json()))
+
+
+def open_stage_address(data: bytes, key: str, run_id: str, keyring: dict | None) -> StageAddress:
+    """The stage address at `key`: of this run and of the key's worker, and in
+    a signed run (`keyring`: worker -> public key) signed by it. SchemaError
+    otherwise."""
+    env = read_envelope(data, key, StageAddress.MAX_BYTES + ENVELOPE_BYTES)
+    if env["run"] != run_id:
+        raise SignatureRejected("bad_signature", f"{key}: an address of another run")
+    doc = StageAddress.from_json(dumps(env["doc"]))
+    if parse_stage_link_key(key) != doc.worker:
+        raise SchemaError(f"{key}: the address of {doc.worker!r}")
+    if keyring is not None:
+        public = keyring.get(doc.worker)
+        if public is None:
+            raise SignatureRejected("unknown_key", f"{key}: {doc.worker!r} is not registered")
+        open_doc(env, run_id, public)
+    return doc
 
 
 @dataclass(frozen=True)

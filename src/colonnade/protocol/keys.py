@@ -27,6 +27,7 @@ belongs to one worker, so that a per-worker prefix policy can be written:
 | {worker}/heartbeat.json                    | worker         |
 | {worker}/metrics/{seg:06d}.jsonl           | worker         |
 | {worker}/stages/{batch:08d}/{stream:03d}/{seq:08d}.safetensors | pipeline stage (transient) |
+| {worker}/stage-link.json                   | pipeline stage on a direct link (signed) |
 
 Claims are the one shared folder: a slot is one key that two workers race
 for with put-if-absent. Every key is built, and every listed key parsed,
@@ -76,6 +77,7 @@ INBOX = "inbox/"  # the inbox's prefix in the run store, when it has no bucket o
 CLAIMS = "claims/"
 ROLLOUTS = "rollouts/"
 STAGES = "stages/"  # a pipeline stage's messages to the next stage (rollout/pipeline.py)
+STAGE_LINK = "stage-link.json"  # where a stage takes its messages directly (rollout/stagelink.py)
 MAX_STREAM = 999  # micro-batches of one pipeline batch: three digits
 MAX_STEP = 99_999_999  # steps of one micro-batch: eight digits
 MAX_SLOT = 999_999  # claim slots of one version: six digits
@@ -91,6 +93,7 @@ _ROLLOUT = re.compile(rf"({_ID})/rollouts/([0-9]{{8}})/([0-9]{{6}})\.safetensors
 _CLAIM = re.compile(r"claims/([0-9]{8})/([0-9]{6})\.json")
 _HEARTBEAT = re.compile(rf"({_ID})/heartbeat\.json")
 _STAGE = re.compile(rf"({_ID})/stages/([0-9]{{8}})/([0-9]{{3}})/([0-9]{{8}})\.safetensors")
+_STAGE_LINK = re.compile(rf"({_ID})/stage-link\.json")
 _WORKER_METRICS = re.compile(rf"({_ID})/metrics/([0-9]{{6}})\.jsonl")
 _WEIGHTS = re.compile(r"weights/([0-9]{8})/.+", re.DOTALL)
 _META = re.compile(r"weights/([0-9]{8})/meta\.json")
@@ -271,6 +274,17 @@ def parse_stage_key(key: str) -> tuple[str, int, int, int] | None:
     return m[1], int(m[2]), int(m[3]), int(m[4])
 
 
+def stage_link_key(worker: str) -> str:
+    """Stage `worker`'s address for its messages, on a direct link."""
+    return f"{worker_dir(worker)}{STAGE_LINK}"
+
+
+def parse_stage_link_key(key: str) -> str | None:
+    """The worker of a stage address key, None for anything else."""
+    m = _STAGE_LINK.fullmatch(key) if isinstance(key, str) else None
+    return m[1] if m and m[1] not in RESERVED_IDS else None
+
+
 def inbox_owner(key: str) -> str | None:
     """The worker a well-formed inbox key belongs to ("" for a claim, which is
     shared); None for a key that is no inbox key of ours."""
@@ -282,4 +296,6 @@ def inbox_owner(key: str) -> str | None:
         return segment[0]
     if (message := parse_stage_key(key)) is not None:
         return message[0]
+    if (linked := parse_stage_link_key(key)) is not None:
+        return linked
     return parse_heartbeat_key(key)

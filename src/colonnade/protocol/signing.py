@@ -13,6 +13,12 @@ Every signature covers `DOMAIN | run_id | 0 | object key | 0 | payload`, so
 a signed object copied under another key (another version, worker or
 sequence number), or into another run of the same key, fails.
 
+A pipeline stage's message on a direct link (`rollout/stagelink.py`) is
+signed apart, in a header beside its bytes: over `LINK_DOMAIN | run_id | 0 |
+message key | 0 | SHA-256 of the message`, so that a message of up to
+256 MiB is hashed once, not handed whole to ed25519, and a link signature
+can never stand for an object's.
+
 Two envelopes carry a signature:
 
 - bytes (rollout batches, metric segments): `MAGIC | 64-byte signature | payload`;
@@ -49,6 +55,7 @@ from .schemas import MAX_JSON_BYTES, ProtocolMismatch, SchemaError, _mismatch, d
 MAGIC = b"CLNSIG1\n"
 SIG_BYTES = 64
 DOMAIN = b"colonnade-signed\0"
+LINK_DOMAIN = b"colonnade-stage-link\0"
 ENVELOPE = ("protocol", "run", "key", "doc", "signature")
 _HEX_SIG = re.compile(r"[0-9a-f]{128}")
 _FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9_-]{43}")
@@ -119,6 +126,29 @@ def verify(
     if public is None:
         raise SignatureRejected("unknown_key", f"worker {worker!r} has no registered key")
     return verify_bytes(data, run_id, key, public)
+
+
+def _link_message(run_id: str, key: str, payload: bytes) -> bytes:
+    digest_ = hashlib.sha256(payload).digest()
+    return LINK_DOMAIN + run_id.encode() + b"\0" + key.encode() + b"\0" + digest_
+
+
+def sign_link(private: Ed25519PrivateKey, run_id: str, key: str, payload: bytes) -> str:
+    """A stage message's signature on a direct link, as 128 hex characters."""
+    return private.sign(_link_message(run_id, key, payload)).hex()
+
+
+def verify_link(
+    signature: str, run_id: str, key: str, payload: bytes, public: Ed25519PublicKey
+) -> None:
+    """Raises SignatureRejected unless `signature` (hex) is `public`'s over
+    the message at `key`."""
+    if not isinstance(signature, str) or not _HEX_SIG.fullmatch(signature):
+        raise SignatureRejected("unsigned", f"{key} carries no signature")
+    try:
+        public.verify(bytes.fromhex(signature), _link_message(run_id, key, payload))
+    except InvalidSignature:
+        raise SignatureRejected("bad_signature", f"{key}: signature does not verify") from None
 
 
 def strip_unsigned(data: bytes) -> bytes:
