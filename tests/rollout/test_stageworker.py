@@ -4,6 +4,8 @@ version every step carries; a front's batch numbers and bad replies."""
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 from transformers import AutoConfig
@@ -25,7 +27,8 @@ from colonnade.protocol.stages import (
     pack_step,
     unpack_step,
 )
-from colonnade.rollout.pipeline import BadReply, Front, Group, StageServer
+from colonnade.rollout.pipeline import BadReply, Front, Group, GroupError, StageServer
+from colonnade.rollout.stagelink import open_link
 from colonnade.rollout.stageworker import FrontWorker, StageWorker, group_name, stage_worker
 from colonnade.rollout.worker import Worker, worker_for
 from colonnade.store import LocalStore
@@ -103,6 +106,29 @@ def test_the_cli_refuses_a_bad_group_in_one_line(tmp_path, capsys):
     assert main([*argv, "--stage", "2/3", "--stage-group", "a,c"]) == 2
     assert "2 worker(s) for 3 stages" in _error_line(capsys)
     assert not store.exists()  # nothing written
+
+
+def test_the_cli_refuses_bad_link_settings_in_one_line(tmp_path, capsys):
+    argv = ["worker", "--store", str(tmp_path / "run"), "--id", "a", "--stage", "1/2",
+            "--stage-group", "a,b", "--stage-link", "tcp"]  # fmt: skip
+    assert main([*argv, "--stage-listen", "0.0.0.0"]) == 2
+    assert _error_line(capsys).startswith("error: --stage-listen '0.0.0.0': an address is")
+    assert main([*argv, "--stage-advertise", "host:0"]) == 2
+    assert _error_line(capsys) == "error: --stage-advertise 'host:0': the port is 1 to 65535"
+    with pytest.raises(SystemExit) as e:
+        main([*argv[:-1], "udp"])
+    assert e.value.code == 2 and "invalid choice: 'udp'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stage_that_cannot_listen_says_so(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        group = Group("r", "g", ("a", "b"))
+        with pytest.raises(GroupError, match=f"--stage-listen 127.0.0.1:{port}: cannot listen"):
+            open_link(group, 0, LocalStore(tmp_path), listen=f"127.0.0.1:{port}")
 
 
 def _step(stream: int, version: int, hidden: int) -> bytes:

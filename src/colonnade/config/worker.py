@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from colonnade.choices import ENGINE_CHOICES
+from colonnade.untrusted import host_port
 
 from .loading import setting
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+STAGE_LINKS = ("store", "tcp")
 
 
 @dataclass
@@ -83,6 +85,22 @@ class WorkerConfig:
         "seconds a pipeline's first stage waits for the last stage's reply before it gives "
         "the batch up (a stage that died)",
     )
+    stage_link: str = setting(
+        "store",
+        "how a pipeline's stage messages travel: through the run's inbox (store), or pushed "
+        "over TCP straight to the next stage (tcp: every stage of the group must reach the "
+        "next one's --stage-advertise address; rollout/stagelink.py)",
+        STAGE_LINKS,
+    )
+    stage_listen: str = setting(
+        "0.0.0.0:0",
+        "HOST:PORT a stage on a tcp link takes its messages at (port 0: any free one)",
+    )
+    stage_advertise: str = setting(
+        "",
+        "HOST:PORT the stage before this one dials, published in the inbox (default: the "
+        "--stage-listen address, this host's name resolved for 0.0.0.0, the port bound)",
+    )
     threads: int = setting(
         0,
         "torch's intra-op threads, which the engine computes with (0: torch's default, one "
@@ -99,6 +117,17 @@ class WorkerConfig:
             raise ValueError("join_timeout must be > 0")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
+        if self.stage_link not in STAGE_LINKS:
+            raise ValueError(f"stage_link {self.stage_link!r}: choose one of store, tcp")
+        try:
+            host_port(self.stage_listen, any_port=True)
+        except ValueError as e:
+            raise ValueError(f"--stage-listen {e}") from None
+        if self.stage_advertise:
+            try:
+                host_port(self.stage_advertise)
+            except ValueError as e:
+                raise ValueError(f"--stage-advertise {e}") from None
         if self.stage or self.stage_group:
             self.pipeline()
 

@@ -92,7 +92,7 @@ from colonnade.store import (
 )
 from colonnade.untrusted import SchemaError, host_port
 
-from .pipeline import TIMEOUT_S, StageTimeout
+from .pipeline import TIMEOUT_S, Group, GroupError, StageTimeout
 
 log = logging.getLogger("colonnade.stagelink")
 
@@ -350,7 +350,10 @@ class StageLink:
         self.keyring, self.private, self.timeout = keyring, private, timeout
         self.mailbox = Mailbox(producer, max_messages, max_bytes)
         host, port = host_port(listen, any_port=True)
-        self.server = _Server((host, port), MAX_CONNECTIONS)
+        try:
+            self.server = _Server((host, port), MAX_CONNECTIONS)
+        except OSError as e:  # taken, or no such interface here: the operator's to fix
+            raise GroupError(f"--stage-listen {listen}: cannot listen there ({e})") from None
         self.server.link = self
         bound = self.server.server_address[1]
         self.address = advertise or _advertised(host, bound)
@@ -360,7 +363,11 @@ class StageLink:
         self.dialer = _Dialer(self._consumer_address, timeout)
         key = keys.stage_link_key(me)
         doc = StageAddress(me, group, self.address, time.time())
-        inbox.put(key, seal_stage_address(private, run_id, key, doc))
+        try:
+            inbox.put(key, seal_stage_address(private, run_id, key, doc))
+        except StoreError:
+            self.close()  # opened again on the next try
+            raise
         log.info("stage link: listening on %s:%d, reached at %s; sending to %s", host, bound,
                  self.address, consumer)  # fmt: skip
 
@@ -424,6 +431,15 @@ class StageLink:
         self.server.shutdown()
         self.server.server_close()
         self.dialer.close()
+
+
+def open_link(group: Group, stage: int, inbox: ObjectStore, **kw) -> StageLink:
+    """Stage `stage` (from 0)'s link in `group`: it takes the stage before's
+    messages (the first stage: the last's replies) and sends to the next
+    (the last stage: to the first). `kw`: `StageLink`'s."""
+    ids = group.workers
+    return StageLink(ids[stage], ids[stage - 1], ids[(stage + 1) % len(ids)], run_id=group.run,
+                     group=group.name, inbox=inbox, **kw)  # fmt: skip
 
 
 def _advertised(host: str, port: int) -> str:

@@ -35,6 +35,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from colonnade.config import WorkerConfig
 from colonnade.engine.loop import Episode, seeded_keys
@@ -52,6 +53,7 @@ from colonnade.protocol.signing import Trust
 from colonnade.store import ObjectStore
 
 from .pipeline import Front, Group, GroupError, StageServer, StageTimeout
+from .stagelink import Keyring, open_link
 from .stageweights import StageFollower
 from .weights import EngineLoader, Weights
 from .worker import Worker
@@ -118,9 +120,13 @@ class StageLoader:
     (`Weights` builds once, refreshes after) for one stage of a group."""
 
     def __init__(self, base: EngineLoader, stage: Stage, group: Group, inbox: ObjectStore,
-                 cfg: WorkerConfig, catch_up=None):  # fmt: skip
+                 cfg: WorkerConfig, catch_up=None,
+                 link: Callable[[], ObjectStore] | None = None):  # fmt: skip
+        """`link`: opens the stage's direct link (`--stage-link tcp`); None:
+        its messages go through the inbox."""
         self.base, self.stage, self.group, self.inbox = base, stage, group, inbox
-        self.cfg, self.catch_up = cfg, catch_up
+        self.cfg, self.catch_up, self.link = cfg, catch_up, link
+        self.transport: ObjectStore | None = None
         self.device, self.precision = base.device, base.precision
         self.config = base.model.config
 
@@ -139,13 +145,17 @@ class StageLoader:
 
     def build(self, state, version: int):
         backend = self.backend(state)
+        # The link opens once the stage can serve: its address, once in the
+        # inbox, is what the stage before it waits for.
+        if self.transport is None:
+            self.transport = self.inbox if self.link is None else self.link()
         if self.stage.first:
             vocab = self.config.get_text_config().vocab_size
-            front = Front(backend, self.inbox, self.group, self.base.tokenizer, vocab,
+            front = Front(backend, self.transport, self.group, self.base.tokenizer, vocab,
                           self.cfg.stage_in_flight, self.cfg.stage_timeout)  # fmt: skip
             return PipelineEngine(front, version)
         hidden = self.config.get_text_config().hidden_size
-        return StageServer(backend, self.inbox, self.group, hidden, version=version,
+        return StageServer(backend, self.transport, self.group, hidden, version=version,
                            catch_up=self.catch_up)  # fmt: skip
 
     def refresh(self, engine, state, changed: set[str], version: int) -> None:
@@ -178,8 +188,14 @@ class _Stage:
             plan = plan_stages(loader.model, len(ids))
         except ValueError as e:  # more stages than layers
             raise GroupError(str(e)) from None
-        loader = StageLoader(loader, plan[k], Group(spec.run_id, group_name(ids), ids), inbox,
-                             self.cfg, self.catch_up)  # fmt: skip
+        group = Group(spec.run_id, group_name(ids), ids)
+        link = None
+        if self.cfg.stage_link == "tcp":
+            ring = Keyring.of_run(self.store, trust) if spec.signed else None
+            link = partial(open_link, group, k, inbox, keyring=ring, private=self.private,
+                           listen=self.cfg.stage_listen, advertise=self.cfg.stage_advertise,
+                           timeout=self.cfg.stage_timeout)  # fmt: skip
+        loader = StageLoader(loader, plan[k], group, inbox, self.cfg, self.catch_up, link)
         follower = StageFollower(self.store, spec.anchor_every, trust, loader.mine())
         self.weights = Weights(follower, loader)  # not the whole worker's Follower
         stage = plan[k]
