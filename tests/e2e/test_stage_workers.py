@@ -7,7 +7,10 @@ both stages follow the versions and the later stage catches up to the one
 each step names. The trainer checks every row's log-probs against its own
 (spot rate 1, the tiny model's tight tolerances): the pipeline's μ is the
 published weights'. Stage 2 is killed mid-run: the front gives its batch
-up (nothing of it is uploaded) and goes on once stage 2 is back.
+up (nothing of it is uploaded) and goes on once stage 2 is back. Twice:
+the messages through the inbox in an open run, and over TCP links
+(`--stage-link tcp`) in a signed run, where each stage takes only the
+registered key's messages and stage 2 comes back on another port.
 
 And the smoke preset learns through a group: `colonnade run` with
 `stages = 2`, the group its only worker.
@@ -38,24 +41,33 @@ GROUP = "front,back"
 
 
 @pytest.mark.timeout(600)
-def test_a_two_stage_group_makes_the_runs_batches_and_survives_a_stage_kill(tmp_path):
+@pytest.mark.parametrize("link", ["store", "tcp"])
+def test_a_two_stage_group_makes_the_runs_batches_and_survives_a_stage_kill(tmp_path, link):
     root = tmp_path / "run"
     env = {**os.environ, "COLONNADE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     key, pub = new_keypair("trainer", tmp_path / "keys")
+    signed = []  # the tcp run is a signed one: each stage signs what it sends
+    if link == "tcp":
+        for worker in GROUP.split(","):
+            new_keypair(worker, tmp_path / "workers")
+        signed = ["--worker-keys", str(tmp_path / "workers")]
     trainer = spawn(
         ["trainer", "--store", str(root), "--preset", "smoke", "--key", str(key),
          "--max-versions", str(MAX_VERSIONS), "--anchor-every", "2", "--retain-all",
          "--spot-rate", "1", "--spot-logp-tolerance", "0.06",
-         "--spot-interval-tolerance", "0.025"],
+         "--spot-interval-tolerance", "0.025", *signed],
         tmp_path / "trainer.log", env, append=True,
     )  # fmt: skip
     store = LocalStore(root)
     logs = {k: tmp_path / f"stage{k}.log" for k in (1, 2)}
 
     def stage(k: int):
-        worker = ["worker", "--store", str(root), "--trust", str(pub), "--id",
-                  GROUP.split(",")[k - 1], "--stage", f"{k}/2", "--stage-group", GROUP,
-                  "--stage-timeout", "10"]  # fmt: skip
+        me = GROUP.split(",")[k - 1]
+        worker = ["worker", "--store", str(root), "--trust", str(pub), "--id", me,
+                  "--stage", f"{k}/2", "--stage-group", GROUP, "--stage-timeout", "10"]  # fmt: skip
+        if link == "tcp":
+            worker += ["--stage-link", "tcp", "--stage-listen", "127.0.0.1:0",
+                       "--key", str(tmp_path / "workers" / f"{me}.key")]  # fmt: skip
         return spawn(worker, logs[k], env, append=True)
 
     stages = {}
@@ -103,6 +115,10 @@ def test_a_two_stage_group_makes_the_runs_batches_and_survives_a_stage_kill(tmp_
     assert back.count("stage ready at v") == 2 and "now running v" in back
     front = read_document(view.inbox, keys.heartbeat_key("front"), WorkerHeartbeat)
     assert front.engine.endswith("-stage1of2") and front.batches >= MAX_VERSIONS
+    if link == "tcp":  # no message went through the inbox; the stages' addresses did
+        assert not [k for k in view.inbox.list("") if keys.parse_stage_key(k)]
+        assert view.inbox.exists(keys.stage_link_key("back"))
+        assert back.count("stage link: listening on 127.0.0.1") == 2
 
 
 @pytest.mark.slow
