@@ -1,7 +1,9 @@
+import copy
+
 import torch
 
 from colonnade.model import int8_state, load_dequantized, load_int8, load_model, tied_aliases
-from colonnade.model.int8 import Int8Linear
+from colonnade.model.int8 import Int8Embedding, Int8Linear, held_codes
 from colonnade.pulse.quant import SCALE_SUFFIX, dequantize_rows
 
 
@@ -13,9 +15,69 @@ def test_int8_linears_hold_exactly_the_published_codes(tiny_int8):
         key = "model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"
         want = dequantize_rows(state[key], state[key + SCALE_SUFFIX])
         assert torch.equal(layer.codes, state[key]) and torch.equal(layer.dequantized(), want), name
+    table = model.model.embed_tokens
+    assert isinstance(table, Int8Embedding)
     emb = state["model.embed_tokens.weight"]
     want = dequantize_rows(emb, state["model.embed_tokens.weight" + SCALE_SUFFIX])
-    assert torch.equal(model.model.embed_tokens.weight, want)
+    assert torch.equal(table.codes, emb) and torch.equal(table.dequantized(), want)
+    # The tied head runs the table's codes: one copy for both.
+    assert model.lm_head.codes.data_ptr() == table.codes.data_ptr()
+
+
+def test_int8_table_gathers_what_the_dequantized_table_holds(tiny_int8):
+    # Rows scaled after the gather are the float32 products dequantizing
+    # the whole table makes, bit for bit (a quarter of the memory).
+    model, _ = tiny_int8
+    table = model.model.embed_tokens
+    ids = torch.tensor([[0, 5, 5, table.num_embeddings - 1], [3, 1, 2, 0]])
+    assert torch.equal(table(ids), torch.nn.functional.embedding(ids, table.dequantized()))
+
+
+def test_int8_table_keeps_a_scaled_embeddings_factor():
+    class ScaledWordEmbedding(torch.nn.Embedding):  # Gemma's kind
+        def __init__(self, n, d):
+            super().__init__(n, d)
+            self.embed_scale = torch.tensor(d**0.5)
+
+        def forward(self, ids):
+            return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = ScaledWordEmbedding(11, 16)
+            self.odd = torch.nn.EmbeddingBag(11, 16)  # another forward: stays float
+
+    model = Model()
+    state = int8_state(model)
+    float_model = Model()
+    load_dequantized(float_model, state, {})
+    ids = torch.tensor([[1, 2, 10]])
+    want = float_model.embed(ids)
+    load_int8(model, state, {})
+    assert isinstance(model.embed, Int8Embedding) and torch.equal(model.embed(ids), want)
+    assert isinstance(model.odd, torch.nn.EmbeddingBag)
+    assert torch.equal(model.odd.weight, float_model.odd.weight)
+
+
+def test_shared_layers_hold_the_states_codes(tiny):
+    # share=True: the layers run the state's own tensors (a stage's
+    # follower never rewrites them in place); stacked siblings cannot, and
+    # `held_codes` gives their views for the holder to keep instead.
+    model, _ = tiny
+    aliases = tied_aliases(model)
+    state = int8_state(model)
+    load_int8(copy.deepcopy(model), state, aliases)  # the default: copies
+    shared = load_int8(copy.deepcopy(model), state, aliases, share=True)
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert shared.model.layers[0].mlp.down_proj.codes.data_ptr() == state[down].data_ptr()
+    held = held_codes(shared, aliases)
+    assert held.keys() == {k for k in state if not k.endswith(SCALE_SUFFIX) and state[k].dim() == 2}
+    for key, codes in held.items():
+        assert torch.equal(codes, state[key]), key
+    q = held["model.layers.0.self_attn.q_proj.weight"]
+    stacked = shared.model.layers[0].self_attn.q_proj._siblings.layer.codes
+    assert q.data_ptr() == stacked.data_ptr()
 
 
 def test_tied_head_is_published_once(tiny):
@@ -93,7 +155,6 @@ def _patched(state, names):
 
 
 def test_loading_only_the_changed_tensors_equals_a_full_load(tiny_dir, tiny):
-    import copy
 
     from colonnade.model import publishable_state
     from colonnade.pulse.quant import quantize_state
@@ -152,7 +213,6 @@ def _logits(model, ids):
 
 
 def test_sibling_linears_run_as_one_and_give_the_same_logits(tiny_dir, tiny):
-    import copy
 
     from colonnade.model.int8 import Siblings
 
@@ -177,7 +237,6 @@ def test_sibling_linears_run_as_one_and_give_the_same_logits(tiny_dir, tiny):
 
 
 def test_a_patch_into_one_sibling_reaches_the_stacked_layer(tiny_dir, tiny):
-    import copy
 
     model, tok = tiny
     aliases, first = tied_aliases(model), int8_state(model)

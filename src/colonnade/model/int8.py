@@ -36,8 +36,10 @@ defined with `torch.library.Library`, not `custom_op`: a decode step calls
 it hundreds of times, and `custom_op`'s Python wrapper costs several times
 more a call.
 
-Embedding tables are gathered, not multiplied, so they run dequantized in
-float32. On CUDA/MPS the same codes run dequantized.
+Embedding tables are gathered, not multiplied: an `Int8Embedding` keeps the
+codes and scales and dequantizes the rows a call gathers (the same float32
+product per element as dequantizing the table, a quarter of its memory; a
+tied head shares its codes). On CUDA/MPS the same codes run dequantized.
 """
 
 from __future__ import annotations
@@ -150,16 +152,24 @@ class Int8Linear(nn.Module):
     its own packed form of the codes, made at its first call.
     """
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        copy: bool = True,
+    ):
         super().__init__()
         # Set by `Siblings`: the stacked layer this one's output comes from,
         # and where this layer's columns start in its output.
         object.__setattr__(self, "_siblings", None)
         object.__setattr__(self, "_offset", 0)
         self.out_features, self.in_features = codes.shape
-        # Copies, never views of the state given: a worker rebuilds its next
-        # version inside that state (PULSE in place) while this layer runs.
-        self.register_buffer("codes", codes.detach().contiguous().clone(), persistent=False)
+        # Copies of the state given, unless its holder never rewrites it
+        # (`copy=False`): a whole worker rebuilds its next version inside
+        # that state (PULSE in place) while this layer runs.
+        codes = codes.detach().contiguous()
+        self.register_buffer("codes", codes.clone() if copy else codes, persistent=False)
         self.register_buffer("scale", scale.detach().float().contiguous().clone(), persistent=False)
         self.bias = (
             None
@@ -254,6 +264,56 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_rows(self.codes, self.scale)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table as published int8 codes and row scales: a call
+    gathers its rows' codes and scales them in float32, as dequantizing the
+    whole table would, element by element. `embed_scale`: a scaled word
+    embedding's factor (Gemma's), applied after, as its own forward does."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        embed_scale: torch.Tensor | None = None,
+        copy: bool = True,
+    ):
+        super().__init__()
+        codes = codes.detach().contiguous()
+        self.register_buffer("codes", codes.clone() if copy else codes, persistent=False)
+        self.register_buffer("scale", scale.detach().float().contiguous().clone(), persistent=False)
+        self.embed_scale = embed_scale
+        self.num_embeddings, self.embedding_dim = codes.shape
+
+    def load(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """A newer version's codes, in place (same shapes)."""
+        if self.codes.data_ptr() != codes.data_ptr():
+            self.codes.copy_(codes)
+        self.scale.copy_(scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(ids, self.codes).to(torch.float32)
+        out = rows * self.scale[ids].unsqueeze(-1)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(torch.float32)
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_rows(self.codes, self.scale)
+
+
+def _embedding_scale(mod: nn.Module) -> torch.Tensor | bool | None:
+    """What an embedding module multiplies its rows by: None for a plain
+    `nn.Embedding`, a scaled word embedding's factor, or False for a kind
+    whose forward does something else (it then runs dequantized)."""
+    if type(mod) is nn.Embedding:
+        return None
+    factor = getattr(mod, "embed_scale", None)
+    scaled = isinstance(mod, nn.Embedding) and type(mod).__name__.endswith("ScaledWordEmbedding")
+    if scaled and isinstance(factor, torch.Tensor) and factor.numel() == 1 and not factor.is_meta:
+        return factor.detach().clone()
+    return False
 
 
 # Sibling linears of one parent module that every architecture colonnade runs
@@ -413,6 +473,7 @@ def load_int8(
     aliases: Mapping[str, str],
     changed: Set[str] | None = None,
     fuse: bool = True,
+    share: bool = False,
 ):
     """Run `qstate` (codes + scales) in `model` on CPU: linears become int8.
 
@@ -422,12 +483,16 @@ def load_int8(
     `changed` (the state keys a patch rewrote), only those: a worker's stall
     after a patch is then the apply, not a copy of the whole model. `fuse`:
     sibling linears run as one (`Siblings`); off only to measure the gain.
+    `share`: the layers hold the state's codes themselves, not copies (for a
+    state its holder never rewrites in place; `held_codes` gives back what
+    the model holds, stacked siblings' views included).
     """
     linear_names, other_names = split_linears(model)
+    tables = _load_tables(model, qstate, aliases, changed, share)
     rest = {
         name: float_value(qstate, name, aliases)
         for name in other_names
-        if _touched(lookup(qstate, name, aliases), changed)
+        if name not in tables and _touched(lookup(qstate, name, aliases), changed)
     }
     for name in linear_names:
         mod = model.get_submodule(name)
@@ -440,11 +505,51 @@ def load_int8(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(codes, scale, bias))
+        if key in tables:  # a tied head: the embedding's codes, one copy for both
+            layer = Int8Linear(tables[key].codes, scale, bias, copy=False)
+        else:
+            layer = Int8Linear(codes, scale, bias, copy=not share)
+        setattr(parent, child, layer)
     if fuse:
         fuse_siblings(model)
     _copy_into(model, rest)
     return model
+
+
+def _load_tables(model, qstate, aliases, changed, share) -> dict[str, Int8Embedding]:
+    """The model's embedding tables that run as `Int8Embedding`s, made or
+    loaded in place: {name and state key: module}."""
+    out: dict[str, Int8Embedding] = {}
+    kinds = nn.Embedding | Int8Embedding
+    for owner_name, owner in [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]:
+        name = f"{owner_name}.weight"
+        key = lookup(qstate, name, aliases)
+        scale = qstate.get(key + SCALE_SUFFIX)
+        if scale is None:  # a table published unquantized runs as it came
+            continue
+        if isinstance(owner, Int8Embedding):
+            if _touched(key, changed):
+                owner.load(qstate[key], scale)
+        else:
+            factor = _embedding_scale(owner)
+            if factor is False:
+                continue
+            parent_name, _, child = owner_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            owner = Int8Embedding(qstate[key], scale, factor, copy=not share)
+            setattr(parent, child, owner)
+        out[name] = out[key] = owner
+    return out
+
+
+def held_codes(model: nn.Module, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """{state key: the codes tensor the model runs} for every int8 linear
+    and table of `model`: a stacked sibling's are views into its set's."""
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Int8Linear | Int8Embedding):
+            out.setdefault(aliases.get(f"{name}.weight", f"{name}.weight"), mod.codes)
+    return out
 
 
 def load_dequantized(
