@@ -42,12 +42,20 @@ def test_counts_on_meta_are_those_of_the_real_model(tied):
     # The int8 state the trainer publishes, byte for byte.
     assert plan.int8_bytes(c) == _bytes(int8_state(model).values())
     # A CPU engine over it: the linears' own codes and scales (what a decode
-    # step streams) and every other parameter in fp32.
+    # step streams), the table's codes (a tied head's) and scales, and every
+    # other parameter in fp32, and the bf16 form a kernel may pack of each
+    # linear's codes at its first call.
     aliases = tied_aliases(model)
     load_int8(model, int8_state(model), aliases, fuse=False)
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert plan.streamed_bytes(c) == sum(_bytes([m.codes, m.scale]) for m in linears)
-    assert plan.engine_bytes(c) == plan.streamed_bytes(c) + _bytes(model.parameters())
+    table = model.get_submodule("model.embed_tokens")
+    shared = model.lm_head.codes.data_ptr() == table.codes.data_ptr()
+    assert shared is tied
+    held = _bytes([table.scale] + ([] if shared else [table.codes]))
+    packs = 2 * sum(m.codes.numel() for m in linears)
+    engine = plan.streamed_bytes(c) + packs + held + _bytes(model.parameters())
+    assert plan.engine_bytes(c) == engine
 
 
 def test_lora_params_are_rank_times_in_plus_out_of_the_seven_projections():
@@ -128,7 +136,8 @@ HAND = Counts(
     other_bytes=200,  # int8 state: 900 + 4 x 30 + 200 = 1220
     streamed=800,
     streamed_rows=20,  # streamed: 800 + 80 = 880
-    dense=200,  # engine: 880 + 800 = 1680
+    dense=200,  # engine: 880 + 2 x 800 + 4 x 50 (the tied table's scales) + 4 x 100 = 3080
+    table=100,
     root=300,
     layer=350,
     vocab=50,
@@ -179,8 +188,8 @@ def test_publication_checkpoint_and_worker_by_hand():
     assert _values(plan.publication_peak(HAND, s)) == {
         "snapshot": 2000 + 4 * 300,  # its bf16 copy, one fp32 tensor gathered at a time
         "publishing": 2000 + 2 * 1220,
-        "spot": 2 * 1220 + 3 * 1680,  # engines built on skeletons: no fp32 copy
-        "total": 3200 + 4440 + 7480,
+        "spot": 2 * 1220 + 3 * 3080,  # engines built on skeletons: no fp32 copy
+        "total": 3200 + 4440 + 11680,
     }
     assert _values(plan.publication_peak(HAND, dataclasses.replace(s, spot=False)))["total"] == (
         3200 + 4440
@@ -195,7 +204,7 @@ def test_publication_checkpoint_and_worker_by_hand():
     }
     worker = _values(plan.worker(HAND, s))
     assert worker["int8"] == worker["staging"] == 1220
-    assert worker["memory"] == worker["join"] == 1220 + 1680  # a skeleton: no fp32 copy
+    assert worker["memory"] == worker["join"] == 1220 + 3080  # a skeleton: no fp32 copy
     assert worker["patch_lr_1e_5"] == round(3.3e-4 * 1220)
 
 

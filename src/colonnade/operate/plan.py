@@ -67,6 +67,7 @@ class Counts:
     streamed: int  # int8 code elements of the linears: what a decode step reads
     streamed_rows: int  # their rows (scales)
     dense: int  # parameters outside the linears (embedding, norms): fp32 in a CPU engine
+    table: int  # the input embedding's parameters (of `dense`): int8 codes in a CPU engine
     root: int  # parameters outside the decoder layers: FSDP2's root unit
     layer: int  # parameters of the largest decoder layer
     vocab: int
@@ -133,6 +134,7 @@ def counts_of(model) -> Counts:
         streamed=sum(m.weight.numel() for m in linears),
         streamed_rows=sum(m.out_features for m in linears),
         dense=dense,
+        table=embed.weight.numel(),
         root=params - sum(per_layer),
         layer=max(per_layer, default=0),
         vocab=embed.weight.shape[0],
@@ -160,8 +162,12 @@ def streamed_bytes(c: Counts) -> int:
 
 def engine_bytes(c: Counts) -> int:
     """A torch CPU engine (model/int8.py): its own copy of the linears'
-    codes and scales, every other parameter dequantized to fp32."""
-    return streamed_bytes(c) + 4 * c.dense
+    codes and scales, a bf16 form of the codes where a kernel packs one
+    (model/kernels.py: oneDNN's, on CPUs where it runs fastest; the bound
+    assumes every linear's does), the embedding's codes (a tied head's,
+    shared) and scales, every other parameter dequantized to fp32."""
+    table = (0 if c.tied else c.table) + 4 * c.vocab
+    return streamed_bytes(c) + 2 * c.streamed + table + 4 * (c.dense - c.table)
 
 
 def lora_params(c: Counts, rank: int) -> int:
@@ -472,7 +478,8 @@ def worker(c: Counts, s: Setting) -> Section:
         q + engine_bytes(c),
         "bytes",
         "the follower's int8 state plus the engine: its own copy of the linears' codes "
-        "and scales, the embedding and norms in fp32 (model/int8.py)",
+        "and scales and a bf16 form a kernel packs of them, the embedding's int8 codes "
+        "(a tied head's) and scales, the norms in fp32 (model/int8.py, model/kernels.py)",
     )
     sec.add(
         "join",
