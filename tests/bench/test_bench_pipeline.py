@@ -8,18 +8,20 @@ from colonnade.bench.pipeline import predicted_steps_s
 from colonnade.cli.main import main
 
 
-def test_rows_per_stages_latency_and_in_flight(capsys):
+def test_rows_per_stages_latency_link_and_in_flight(capsys):
     code = main(["bench", "pipeline", "--json", "--latency-ms", "0,5", "--in-flight", "1,2",
-                 "--episodes", "4", "--tokens", "3", "--cores", "2"])  # fmt: skip
+                 "--episodes", "4", "--tokens", "3", "--cores", "2",
+                 "--link", "store,tcp"])  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert [(r["stages"], r["latency_ms"], r["in_flight"]) for r in rows] == [
-        (2, 0, 1), (2, 0, 2), (2, 5, 1), (2, 5, 2)
+    assert [(r["stages"], r["latency_ms"], r["link"], r["in_flight"]) for r in rows] == [
+        (2, lat, link, m) for lat in (0, 5) for link in ("store", "tcp") for m in (1, 2)
     ]  # fmt: skip
     for r in rows:
         assert r["episodes_s"] > 0 and r["single_episodes_s"] > 0
         assert r["predicted_episodes_s"] > 0 and r["cores"] == 2
-        assert r["step_s"] > 0 and r["hop_s"] >= 2.5 * r["latency_ms"] / 1000
+        trips = 2.5 * r["latency_ms"] / 1000 if r["link"] == "store" else 0
+        assert r["step_s"] > 0 and r["hop_s"] >= trips
         assert 0 < r["message_s"] <= r["hop_s"]
         assert sum(r["shares"]) == pytest.approx(1, abs=0.01)
         assert r["layers"][0][0] == 0 and r["layers"][0][1] == r["layers"][1][0]
@@ -30,7 +32,7 @@ def test_rows_per_stages_latency_and_in_flight(capsys):
     "argv, why",
     [(["--stages", "1"], "--stages"), (["--in-flight", "0"], "--in-flight"),
      (["--latency-ms", "x"], "--latency-ms"), (["--episodes", "0"], "--episodes"),
-     (["--cores", "0"], "--cores")],
+     (["--cores", "0"], "--cores"), (["--link", "udp"], "--link")],
 )  # fmt: skip
 def test_bad_arguments_are_refused(argv, why):
     with pytest.raises(SystemExit, match=why):

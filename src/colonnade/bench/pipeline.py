@@ -5,9 +5,12 @@ ignored, one turn) through one whole-model int8 engine and through groups
 of stage-workers (`rollout/pipeline.py`): the first stage in this process,
 every later stage in a process of its own, all of them reaching one local
 store through the fleet bench's WAN view (`bench/fleet/wan.py`: every
-request delayed by `--latency-ms`). One row per (stages, latency, in-flight
-micro-batches): `episodes_s` measured, `single_episodes_s` the whole
-worker's on this machine, `predicted_episodes_s` the throughput model's.
+request delayed by `--latency-ms`). With `--link tcp` the stages' messages
+go over direct TCP links instead (`rollout/stagelink.py`, on loopback: the
+latency then delays only the stages' reads of each other's addresses). One
+row per (stages, latency, link, in-flight micro-batches): `episodes_s`
+measured, `single_episodes_s` the whole worker's on this machine,
+`predicted_episodes_s` the throughput model's.
 
 The throughput model (docs/benchmarks.md): with E episodes of T tokens in
 M micro-batches of b = E / M rows, a micro-batch's step takes one cycle
@@ -17,7 +20,9 @@ M micro-batches of b = E / M rows, a micro-batch's step takes one cycle
 where c(b) is the whole model's step at b rows (measured on this machine)
 and a hop is a put, then the reader's reads of the message's key, over and
 over, each a round trip: the message lands halfway through one on average,
-and the next finds it (one and a half); o(b) is what a message costs beside
+and the next finds it (one and a half); on a tcp link a hop is one push
+over loopback, the reader's looks local: no round trip is counted (hop =
+o(b)); o(b) is what a message costs beside
 its round trips (packed, written to a local store, read, checked;
 measured). The
 stages work on different micro-batches at once, each taking a step at a
@@ -58,6 +63,7 @@ from pathlib import Path
 
 MODELS = ("tiny", "smollm2-135m")
 HOP_REQUESTS = 2.5  # a hop's round trips: the put, one and a half reads of its key
+LINKS = ("store", "tcp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--latency-ms", default="0,40", help="comma list of store round trips (default 0,40)"
     )
     p.add_argument("--in-flight", default="1,2,4", help="comma list of micro-batches in flight")
+    p.add_argument(
+        "--link", default="store",
+        help="comma list of how the stages' messages travel: store (through the store), tcp "
+        "(direct links on loopback) (default store)",
+    )  # fmt: skip
     p.add_argument("--episodes", type=int, default=64, help="episodes a run (default 64)")
     p.add_argument("--tokens", type=int, default=16, help="tokens an episode (default 16)")
     p.add_argument(
@@ -95,11 +106,14 @@ def run(args: argparse.Namespace) -> int:
     stages = _ints(args.stages, "stages", 2)
     latencies = _ints(args.latency_ms, "latency-ms", 0)
     in_flight = _ints(args.in_flight, "in-flight", 1)
+    links = [x.strip() for x in args.link.split(",") if x.strip()]
+    if not links or not set(links) <= set(LINKS):
+        raise SystemExit(f"error: --link: a comma list of {', '.join(LINKS)}")
     if min(args.episodes, args.tokens) < 1:
         raise SystemExit("error: --episodes and --tokens must be >= 1")
     if args.cores is not None and args.cores <= 0:
         raise SystemExit("error: --cores must be > 0")
-    rows = _rows(args, stages, latencies, in_flight)
+    rows = _rows(args, stages, latencies, in_flight, links)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -157,7 +171,8 @@ class _Setup:
         return self._steps[rows]
 
 
-def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int]) -> list[dict]:
+def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int],
+          links: list[str]) -> list[dict]:  # fmt: skip
     setup = _Setup(args)
     log(f"{args.model}: warming up, then one whole-model worker over {args.episodes} episodes")
     setup.warm_up()
@@ -168,12 +183,13 @@ def _rows(args, stages: list[int], latencies: list[int], in_flight: list[int]) -
         cores = args.cores if args.cores is not None else _measure_cores(n)
         log(f"{n} stages: {cores:.2f} processes' worth of compute at once")
         for latency in latencies:
-            rows.extend(_group_rows(setup, n, latency, in_flight, single, cores))
+            for link in links:
+                rows.extend(_group_rows(setup, n, latency, link, in_flight, single, cores))
     return rows
 
 
-def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], single: float,
-                cores: float):  # fmt: skip
+def _group_rows(setup: _Setup, n: int, latency_ms: int, link: str, in_flight: list[int],
+                single: float, cores: float):  # fmt: skip
     from transformers import AutoConfig
 
     from colonnade.engine.stages import build_stage, plan_stages
@@ -188,14 +204,14 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
     with tempfile.TemporaryDirectory(prefix="colonnade-pipeline-") as tmp:
         root = Path(tmp) / "inbox"
         root.mkdir()
-        procs = _start_stages(setup.path, root, Path(tmp), n, latency_ms)
+        procs = _start_stages(setup.path, root, Path(tmp), n, latency_ms, link)
+        store = _transport(root, 0, n, latency_ms, link)
         try:
             group = Group("bench", "g", tuple(f"w{k}" for k in range(n)))
-            store = _wan(root, "w0", latency_ms)
             front = Front(first, store, group, setup.tok, config.vocab_size, timeout=600)
             for m in in_flight:
                 front.in_flight = m
-                log(f"{n} stages, {latency_ms} ms a request, {m} in flight")
+                log(f"{n} stages, {latency_ms} ms a request, {link}, {m} in flight")
                 t0 = time.perf_counter()
                 front.generate(setup.prompts, setup.responders(setup.episodes), setup.params,
                                setup.keys)  # fmt: skip
@@ -203,11 +219,13 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
                 b = -(-setup.episodes // m)
                 step = setup.step_seconds(b)
                 message = _hop_overhead(setup, b)
-                hop = HOP_REQUESTS * latency_ms / 1000 + message
+                trips = HOP_REQUESTS * latency_ms / 1000 if link == "store" else 0.0
+                hop = trips + message
                 steps_s = predicted_steps_s(step, hop, m, shares, cores, message)
                 out.append({
                     "model": Path(setup.path).name, "stages": n, "latency_ms": latency_ms,
-                    "in_flight": m, "episodes": setup.episodes, "tokens": setup.tokens,
+                    "link": link, "in_flight": m, "episodes": setup.episodes,
+                    "tokens": setup.tokens,
                     "episodes_s": round(setup.episodes / seconds, 3),
                     "single_episodes_s": round(single, 3),
                     "predicted_episodes_s": round(b * steps_s / setup.tokens, 3),
@@ -220,6 +238,8 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, in_flight: list[int], si
         finally:
             (Path(tmp) / "stop").touch()
             rss = _stop(procs, Path(tmp))
+            if hasattr(store, "close"):
+                store.close()
     for row in out:
         row["stage_rss_mb"] = rss
     return out
@@ -326,12 +346,26 @@ def _wan(root: Path, client: str, latency_ms: int):
     return WanStore(LocalStore(root), client, Tally(), Link(latency_ms / 1000))
 
 
-def _start_stages(path: str, root: Path, tmp: Path, n: int, latency_ms: int) -> list:
+def _transport(root: Path, k: int, n: int, latency_ms: int, link: str):
+    """Where stage k's messages travel: the store seen through its WAN view,
+    or a direct link on loopback (its address read through that view)."""
+    from colonnade.rollout.pipeline import Group
+    from colonnade.rollout.stagelink import open_link
+
+    store = _wan(root, f"w{k}", latency_ms)
+    if link == "store":
+        return store
+    group = Group("bench", "g", tuple(f"w{i}" for i in range(n)))
+    return open_link(group, k, store, listen="127.0.0.1:0", timeout=600)
+
+
+def _start_stages(path: str, root: Path, tmp: Path, n: int, latency_ms: int,
+                  link: str) -> list:  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = []
     for k in range(1, n):
         argv = [sys.executable, "-m", "colonnade.bench.pipeline", path, str(root), str(tmp),
-                str(k), str(n), str(latency_ms)]  # fmt: skip
+                str(k), str(n), str(latency_ms), link]  # fmt: skip
         procs.append(subprocess.Popen(argv, env=env))
     deadline = time.monotonic() + 600
     while not all((tmp / f"ready-{k}").exists() for k in range(1, n)):
@@ -366,7 +400,7 @@ def _serve(argv: list[str]) -> None:
     from colonnade.model.loading import skeleton
     from colonnade.rollout.pipeline import Group, StageServer
 
-    path, root, tmp, k, n, latency_ms = argv
+    path, root, tmp, k, n, latency_ms, link = argv
     k, n, tmp = int(k), int(n), Path(tmp)
     config = AutoConfig.from_pretrained(path)
     stage = plan_stages(skeleton(path), n)[k]
@@ -377,8 +411,8 @@ def _serve(argv: list[str]) -> None:
     del state
     gc.collect()
     group = Group("bench", "g", tuple(f"w{i}" for i in range(n)))
-    server = StageServer(backend, _wan(Path(root), f"w{k}", int(latency_ms)), group,
-                         config.hidden_size)  # fmt: skip
+    store = _transport(Path(root), k, n, int(latency_ms), link)
+    server = StageServer(backend, store, group, config.hidden_size)
     (tmp / f"ready-{k}").touch()
     server.serve(lambda: (tmp / "stop").exists())
     (tmp / f"rss-{k}").write_text(str(_resident_mb()))
@@ -397,7 +431,7 @@ def _resident_mb() -> float:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["stages", "latency_ms", "in_flight", "episodes_s", "single_episodes_s",
+    head = ["stages", "latency_ms", "link", "in_flight", "episodes_s", "single_episodes_s",
             "predicted_episodes_s"]  # fmt: skip
     lines = ["  ".join(f"{h:>20}" for h in head)]
     lines += ["  ".join(f"{r[h]!s:>20}" for h in head) for r in rows]
