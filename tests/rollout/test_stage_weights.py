@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 from colonnade.engine.stages import plan_stages, stage_names, stage_skeleton
 from colonnade.model import load_model, publishable_state
+from colonnade.model.int8 import Int8Embedding, Int8Linear
 from colonnade.model.loading import skeleton
 from colonnade.protocol import Follower, Publisher, VersionError, keys
 from colonnade.rollout.stageweights import StageFollower
@@ -120,3 +121,40 @@ def test_an_anchor_is_read_one_tensor_at_a_time_as_written(tmp_path):
     cut.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(ValueError, match="out of the file"):
         dict(_read_tensors(cut))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_stage_holds_its_codes_once_through_every_version(published, tiny_dir, k):
+    # The stage's engine runs its follower's codes and the follower keeps
+    # the engine's (a stacked sibling's views) in place of its own: after
+    # every version one copy of each, holding what a whole worker holds.
+    from colonnade.config import WorkerConfig
+    from colonnade.model import tied_aliases
+    from colonnade.rollout.pipeline import Group
+    from colonnade.rollout.stageworker import StageLoader
+    from colonnade.rollout.weights import EngineLoader, Weights
+
+    store, trust = published
+    model = skeleton(tiny_dir)
+    stage = plan_stages(model, 2)[k]
+    base = EngineLoader(model, None, "int8", torch.device("cpu"), "torch", tied_aliases(model))
+    loader = StageLoader(base, stage, Group("run", "g", ("a", "b")), store, WorkerConfig())
+    follower = StageFollower(store, 2, trust, loader.mine())
+    weights = Weights(follower, loader)
+    whole = Follower(store, 2, trust)
+    for v in range(VERSIONS):
+        follower.sync(v)
+        whole.sync(v)
+        weights.load()
+        backend = weights.engine.front.stage if k == 0 else weights.engine.stage
+        held = backend.held(set(follower.state))
+        assert held and all(follower.state[n] is t for n, t in held.items())
+        codes = [t for n, t in follower.state.items() if t.dtype == torch.int8]
+        assert {n for n, t in follower.state.items() if t.dtype == torch.int8} == set(held)
+        # The follower's codes fill their storages exactly (stacked siblings'
+        # views fill their set's), and those are the engine's: one copy.
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in codes}
+        assert sum(storages.values()) == sum(t.numel() for t in codes)
+        layers = [m for m in backend.model.modules() if isinstance(m, Int8Linear | Int8Embedding)]
+        assert {m.codes.untyped_storage().data_ptr() for m in layers} == set(storages)
+        _same(follower.state, whole.state, loader.mine())

@@ -44,12 +44,15 @@ from .mlx_backend import ARCHITECTURES, mlx_missing
 log = logging.getLogger("colonnade.engine")
 
 
-def load_torch(model, state, aliases, precision: str, device: torch.device, changed=None) -> bool:
+def load_torch(
+    model, state, aliases, precision: str, device: torch.device, changed=None, share=False
+) -> bool:
     """A prepared state into a transformers model: int8 linears on CPU, floats
     elsewhere, LoRA adapters unmerged beside them (`model.unmerged`); whether
-    the adapted modules changed (`load_adapters`)."""
+    the adapted modules changed (`load_adapters`). `share`: int8 layers hold
+    the state's codes, not copies (`model.int8.load_int8`)."""
     if precision == "int8" and device.type == "cpu":
-        load_int8(model, state, aliases, changed)
+        load_int8(model, state, aliases, changed, share=share)
     else:
         load_dequantized(model, state, aliases, changed)
     return load_adapters(model, state, changed)

@@ -45,6 +45,7 @@ from torch import nn
 
 from colonnade.config.worker import parse_stage as parse_stage  # the settings read it
 from colonnade.model import tied_aliases
+from colonnade.model.int8 import held_codes
 from colonnade.model.loading import params_on_meta
 from colonnade.pulse.quant import SCALE_SUFFIX
 
@@ -255,6 +256,19 @@ class StageBackend(TorchBackend):
         """A newer published state (every stage's tensors): this stage's only."""
         super().refresh(self.names.select(state), self.names.changed(changed))
 
+    def held(self, published: Set[str]) -> dict[str, torch.Tensor]:
+        """{published name: the int8 codes this stage runs} for the names of
+        `published` it holds: what a follower keeps in place of its own
+        copies, so the stage holds its codes once (a stacked sibling's are
+        views into its set's)."""
+        local = held_codes(self.model, self.aliases)
+        out = {}
+        for name in published:
+            mine = self.names.local(name)
+            if mine is not None and mine in local:
+                out[name] = local[mine]
+        return out
+
 
 def build_stage(
     config,
@@ -262,17 +276,19 @@ def build_stage(
     stage: Stage,
     precision: str = "int8",
     device: torch.device | None = None,
+    share: bool = False,
 ) -> StageBackend:
     """A stage's backend from the run's model config and a published state
     (every stage's tensors, or this stage's alone): only its tensors are
-    made."""
+    made. `share`: its int8 layers run the state's codes themselves, for a
+    state its holder never rewrites in place (`StageBackend.held`)."""
     from .loader import load_torch
 
     device = device or torch.device("cpu")
     model, aliases = stage_skeleton(config, stage)
     names = stage_names(model, aliases, stage)
     mine = names.select(state)
-    load_torch(model, mine, aliases, precision, device)
+    load_torch(model, mine, aliases, precision, device, share=share)
     missing = [n for n, t in model.state_dict().items() if t.is_meta]
     if missing:
         raise ValueError(f"stage {stage.index + 1}/{stage.count}: no tensor for {missing[:3]}")

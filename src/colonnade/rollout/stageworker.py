@@ -141,7 +141,15 @@ class StageLoader:
         return lambda name: names.local(name) is not None
 
     def backend(self, state) -> StageBackend:
-        return build_stage(self.config, state, self.stage, self.precision, self.device)
+        # Shared: the stage's follower never rewrites a tensor in place (a
+        # patch makes new ones), and takes the engine's codes back (`held`).
+        return build_stage(self.config, state, self.stage, self.precision, self.device,
+                           share=True)  # fmt: skip
+
+    def held(self, engine, published) -> dict:
+        """The codes the stage runs, by published name (`Weights.load`)."""
+        backend = engine.front.stage if self.stage.first else engine.stage
+        return backend.held(published)
 
     def build(self, state, version: int):
         backend = self.backend(state)

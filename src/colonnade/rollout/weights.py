@@ -127,6 +127,12 @@ class Weights:
         else:
             changed = {k for k, t in state.items() if self._loaded.get(k) is not t}
             self.loader.refresh(self.engine, state, changed, version)
+        held = getattr(self.loader, "held", None)
+        if held is not None:
+            # The follower keeps the engine's codes in place of its own: one
+            # copy of the weights, not two (a loader that offers them runs a
+            # state its follower never rewrites in place).
+            state.update(held(self.engine, set(state)))
         self._loaded = dict(state)
 
     def new_bytes(self) -> int:
