@@ -148,6 +148,19 @@ def test_the_server_refuses_strangers_keys_and_oversized_bodies(tmp_path):
         b.close()
 
 
+def test_bodies_in_reading_are_bounded_as_the_mailbox_is(tmp_path):
+    a, b, _ = _pair(tmp_path, max_bytes=10)
+    try:
+        b.reading = 8  # another connection's body, being read
+        assert _raw_put(b, _key(1, 0, 0), b"12345") == 503  # unread: try again
+        b.reading = 0
+        assert _raw_put(b, _key(1, 0, 0), b"12345") == 200
+        assert b.reading == 0 and b.list() == [_key(1, 0, 0)]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_signed_run_takes_only_the_producers_registered_key(tmp_path):
     (pa, ka), (pb, kb), (stranger, _) = _keypair(), _keypair(), _keypair()
     ring = Keyring(lambda: {"a": ka, "b": kb})

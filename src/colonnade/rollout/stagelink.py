@@ -120,9 +120,9 @@ class LinkDown(StoreUnavailable, StageTimeout):
 class Refused(Exception):
     """What a mailbox will not take: an HTTP status and why."""
 
-    def __init__(self, status: int, text: str):
+    def __init__(self, status: int, text: str, unread: bool = False):
         super().__init__(text)
-        self.status = status
+        self.status, self.unread = status, unread  # unread: the body was left unread
 
 
 @dataclass
@@ -268,6 +268,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"  # keep-alive: a sender's connections are reused
     timeout = IDLE_S
+    disable_nagle_algorithm = True  # an answer's header and text go out at once
     server: _Server
 
     def do_PUT(self) -> None:
@@ -282,13 +283,14 @@ class _Handler(BaseHTTPRequestHandler):
                 raise Refused(411, "send the message with a Content-Length")
             if not length.isdigit() or int(length) > MAX_STAGE_BYTES:
                 raise Refused(413, f"a message is at most {MAX_STAGE_BYTES} bytes")
-            data = self.rfile.read(int(length))
-            if len(data) != int(length):
-                self.close_connection = True
-                return
-            link.receive(key, data, self.headers.get(SIGNATURE, ""))
+            with link.receiving(int(length)):
+                data = self.rfile.read(int(length))
+                if len(data) != int(length):
+                    self.close_connection = True
+                    return
+                link.receive(key, data, self.headers.get(SIGNATURE, ""))
         except Refused as e:
-            if e.status in (400, 403, 404, 411, 413):
+            if e.status in (400, 403, 404, 411, 413) or e.unread:
                 self.close_connection = True  # the body, if any, is left unread
             self._answer(e.status, str(e))
             return
@@ -349,6 +351,10 @@ class StageLink:
         self.run_id, self.group, self.inbox = run_id, group, inbox
         self.keyring, self.private, self.timeout = keyring, private, timeout
         self.mailbox = Mailbox(producer, max_messages, max_bytes)
+        # Bodies being read, bounded as the mailbox is: before a signature is
+        # checked, connections could otherwise hold 256 MiB apiece.
+        self.reading, self.read_bound = 0, max_bytes
+        self.read_lock = threading.Lock()
         host, port = host_port(listen, any_port=True)
         try:
             self.server = _Server((host, port), MAX_CONNECTIONS)
@@ -401,6 +407,20 @@ class StageLink:
         drops each once the next one of its stream (or batch) lands."""
 
     # -- the rest ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def receiving(self, size: int):
+        """Room for a body of `size` bytes while it is read and checked;
+        Refused (503, the body unread) while bodies in reading fill the bound."""
+        with self.read_lock:
+            if self.reading + size > self.read_bound:
+                raise Refused(503, "too many messages in reading", unread=True)
+            self.reading += size
+        try:
+            yield
+        finally:
+            with self.read_lock:
+                self.reading -= size
+
     def receive(self, key: str, data: bytes, signature: str) -> None:
         """A message that came in: checked, then held; Refused otherwise."""
         if self.keyring is not None:
