@@ -245,8 +245,14 @@ def test_a_later_stage_fetches_a_newer_version_beside_its_steps(tmp_path, tiny_d
 
     class _Watch:
         latest = None
+        polls = 0
+
+        @property
+        def newest(self):
+            return None if self.latest is None else self.latest.version
 
         def poll(self):
+            self.polls += 1
             return self.latest
 
     worker.watch = _Watch()
@@ -270,3 +276,10 @@ def test_a_later_stage_fetches_a_newer_version_beside_its_steps(tmp_path, tiny_d
     assert follower.version == 4 and worker.running_version == 3
     worker.catch_up(4)
     assert worker.running_version == 4 and "fetched beside the steps" in caplog.text
+    # A step of a version latest.json has not named (a hostile front's): one
+    # more look at latest.json, then refused, nothing fetched.
+    polls = worker.watch.polls
+    with pytest.raises(ValueError, match=r"latest\.json names v4"):
+        worker.catch_up(9)
+    assert worker.watch.polls == polls + 1
+    assert follower.version == 4 and worker.running_version == 4

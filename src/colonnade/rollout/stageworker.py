@@ -20,7 +20,9 @@ refused by the others.
   the run is done or a signal stops them, with the worker's own heartbeat.
   A stage runs the version each step names: it catches up to a newer one
   before the step (the step waits for the load; the fetch ran beside the
-  steps once latest.json named the version), and refuses an older one.
+  steps once latest.json named the version), and refuses an older one or
+  one latest.json has not named (a hostile front's: it would be looked for
+  at every step).
 
 Each stage holds only its own tensors (`stageweights.StageFollower`): it
 follows the run's versions as a worker does, but keeps, patches and loads
@@ -274,6 +276,7 @@ class StageWorker(_Stage, Worker):
     def catch_up(self, version: int) -> None:
         """This stage's tensors of `version` (newer than the ones it runs),
         loaded before the step that named it runs."""
+        self._published(version)
         t0 = time.perf_counter()
         before = self.running_version
         self.weights.prefetch.wait()  # a fetch beside the steps; its error raises here
@@ -286,6 +289,18 @@ class StageWorker(_Stage, Worker):
         log.info("now running v%d (was v%s; %s, waited %.2f s, loaded %.2f s)", version, before,
                  "fetched beside the steps" if beside else "fetched now", t1 - t0,
                  time.perf_counter() - t1)  # fmt: skip
+
+    def _published(self, version: int) -> None:
+        """A ValueError (the step is refused) for a version latest.json has
+        not named: a front takes its version from latest.json, so an honest
+        step's is there by the time it comes; a hostile one's may never be,
+        and the stage would otherwise look for it at every step it reads."""
+        newest = self.watch.newest
+        if newest is None or newest < version:
+            self.watch.poll()
+            newest = self.watch.newest
+        if newest is None or newest < version:
+            raise ValueError(f"a step of v{version}, but latest.json names v{newest} at most")
 
     def run(self) -> int:
         try:
