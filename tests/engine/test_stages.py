@@ -157,6 +157,40 @@ def test_chain_follows_a_newer_state(tiny_dir, tiny):
     assert [e.logprobs for e in a] == [e.logprobs for e in b]
 
 
+def test_chain_runs_lora_adapters_as_the_whole_model(tiny_dir, tiny):
+    # A LoRA run publishes the int8 base and bf16 adapters: each stage runs
+    # its layers' adapters unmerged, and a patch of the adapters alone
+    # reaches every stage, as a whole worker's engine.
+    from test_lora import _adapters
+
+    from colonnade.model.lora import is_adapter
+    from colonnade.model.unmerged import adapted_modules
+    from colonnade.pulse import prepare
+
+    model, tok = load_model(tiny_dir)
+    base = int8_state(tiny[0])
+    v1 = {**base, **prepare(_adapters(tiny[0], 1), "int8")}
+    new = prepare(_adapters(tiny[0], 2), "int8")
+    v2 = {**v1, **new}
+    chain_backend = _chain(tiny_dir, v1, 3)
+    for stage in chain_backend.stages:
+        assert adapted_modules(stage.model)  # every stage holds its layers' adapters
+    whole = engine_for(model, tok, v1, "int8", CPU)
+    params = SamplingParams(temperature=1.0, max_turn_tokens=8, max_episode_tokens=32)
+    chain = Engine(chain_backend, tok)
+    runs = []
+    for state in (v1, v2):
+        if state is v2:
+            assert all(is_adapter(k) for k in new)
+            chain_backend.refresh(v2, set(new))
+            whole.backend.refresh(v2, set(new))
+        a, b = _episodes(whole, tok, params), _episodes(chain, tok, params)
+        assert [e.tokens for e in a] == [e.tokens for e in b]
+        assert [e.logprobs for e in a] == [e.logprobs for e in b]
+        runs.append([e.logprobs for e in a])
+    assert runs[0] != runs[1]  # the adapters' patch moved the episodes
+
+
 def test_a_later_stage_needs_hidden_states(tiny_dir, tiny):
     state = int8_state(tiny[0])
     config = AutoConfig.from_pretrained(tiny_dir)
