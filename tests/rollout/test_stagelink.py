@@ -118,6 +118,24 @@ def test_messages_go_both_ways_and_land_in_the_readers_mailbox(tmp_path):
         b.close()
 
 
+def test_a_stage_that_restarts_lists_its_messages_its_consumer_holds(tmp_path):
+    # What a first stage numbers its batches above (Front._first_batch), as
+    # it would see its own messages in the store.
+    a, b, inbox = _pair(tmp_path)
+    a.put(_key(500, 0, 3), b"step")
+    a.close()
+    again = StageLink("a", "b", "b", run_id="r", group="g", inbox=inbox, listen="127.0.0.1:0")
+    try:
+        assert again.list(keys.stage_dir("a")) == [_key(500, 0, 3)]
+        assert again.list(keys.stage_dir("b")) == []  # b's messages to a: none held here
+        b.close()
+        t0 = time.monotonic()
+        assert again.list(keys.stage_dir("a")) == []  # out of reach: nothing, at once
+        assert time.monotonic() - t0 < 6
+    finally:
+        again.close()
+
+
 def _raw_put(link: StageLink, key: str, body: bytes, headers=None) -> int:
     host, port = host_port(link.address)
     conn = http.client.HTTPConnection(host, port, timeout=5)

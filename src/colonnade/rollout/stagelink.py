@@ -13,7 +13,9 @@ them over TCP instead. It is shaped like the `ObjectStore` that `Front` and
   request, the sender's, and the reader finds the message at its next look
   of the mailbox: no round trip to poll (the store's 2.5 a hop).
 - no deletes: a writer's delete is a no-op, as its message lives at the
-  reader. The mailbox drops a stream's step n when step n + 1 of it lands,
+  reader; a writer's listing of its own messages asks the reader (`GET
+  /held/{prefix}`), which is how a first stage that restarts numbers its
+  batches above the group's last. The mailbox drops a stream's step n when step n + 1 of it lands,
   and every message of a batch when a newer batch's lands. The pipeline's
   order makes that safe (pipeline.py: the first stage sends a stream's step
   n + 1 only once step n's reply came back through every stage, so step n
@@ -97,6 +99,7 @@ from .pipeline import TIMEOUT_S, Group, GroupError, StageTimeout
 log = logging.getLogger("colonnade.stagelink")
 
 PATH = "/stage/"  # PUT /stage/{message key}
+HELD = "/held/"  # GET /held/{prefix}: the keys held under a prefix, a line each
 SIGNATURE = "X-Colonnade-Signature"  # 128 hex characters (`signing.sign_link`)
 # The mailbox's bounds: enough for a front's every micro-batch (a stream
 # holds one message not yet read), and a few of the largest messages.
@@ -109,6 +112,8 @@ RETRY_S = (0.05, 1.0)  # the pause between tries of a put: first, at most
 KEYRING_EVERY_S = 5.0  # the keyring is read again at most this often
 POOL = 8  # idle connections a sender keeps to its consumer
 MAX_ANSWER = 4096  # the bytes of an answer's text a sender reads
+MAX_LISTING = MAX_MESSAGES * 80  # a listing of the keys held: one key a line
+LISTING_S = 5.0  # a listing's one try: a consumer out of reach lists nothing
 
 
 class LinkDown(StoreUnavailable, StageTimeout):
@@ -271,6 +276,12 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # an answer's header and text go out at once
     server: _Server
 
+    def parse_request(self) -> bool:
+        if self.server.link.closed:  # a kept connection outlives the listener: not its requests
+            self.close_connection = True
+            return False
+        return super().parse_request()
+
     def do_PUT(self) -> None:
         link = self.server.link
         try:
@@ -296,8 +307,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._answer(200, "")
 
-    def _answer(self, status: int, text: str) -> None:
-        data = text.encode()[:MAX_ANSWER]
+    def do_GET(self) -> None:
+        """The keys held under a prefix of the producer's messages: how a
+        producer that restarted numbers its batches on (`StageLink.list`)."""
+        mailbox = self.server.link.mailbox
+        prefix = self.path[len(HELD) :]
+        if not (self.path.startswith(HELD) and prefix.startswith(keys.stage_dir(mailbox.producer))):
+            self.close_connection = True
+            self._answer(404, f"listings are at {HELD}{keys.stage_dir(mailbox.producer)}...")
+            return
+        self._answer(200, "\n".join(mailbox.list(prefix)), MAX_LISTING)
+
+    def _answer(self, status: int, text: str, limit: int = MAX_ANSWER) -> None:
+        data = text.encode()[:limit]
         try:
             self.send_response(status)
             self.send_header("Content-Length", str(len(data)))
@@ -354,6 +376,7 @@ class StageLink:
         # Bodies being read, bounded as the mailbox is: before a signature is
         # checked, connections could otherwise hold 256 MiB apiece.
         self.reading, self.read_bound = 0, max_bytes
+        self.closed = False
         self.read_lock = threading.Lock()
         host, port = host_port(listen, any_port=True)
         try:
@@ -400,7 +423,15 @@ class StageLink:
         return data
 
     def list(self, prefix: str = "") -> list[str]:
-        return self.mailbox.list(prefix)
+        """The producer's messages held here; under this stage's own prefix,
+        its messages its consumer holds (one request, nothing if it fails):
+        a first stage that restarts numbers its batches above them, as over
+        the store (`Front._first_batch`)."""
+        if not prefix.startswith(keys.stage_dir(self.me)):
+            return self.mailbox.list(prefix)
+        text = self.dialer.fetch(HELD + prefix)
+        held = [] if text is None else text.splitlines()
+        return sorted(k for k in held if k.startswith(prefix) and keys.parse_stage_key(k))
 
     def delete(self, key: str) -> None:
         """Nothing: this stage's messages are held by its consumer, which
@@ -448,6 +479,7 @@ class StageLink:
         return host_port(doc.address)
 
     def close(self) -> None:
+        self.closed = True
         self.server.shutdown()
         self.server.server_close()
         self.dialer.close()
@@ -515,7 +547,31 @@ class _Dialer:
             time.sleep(pause)
             pause = min(pause * 2, RETRY_S[1])
 
-    def _connection(self) -> tuple[http.client.HTTPConnection | None, bool]:
+    def fetch(self, path: str) -> str | None:
+        """GET `path` from the consumer, one try (a kept connection that
+        failed aside); None if it cannot be had."""
+        for _ in range(POOL + 1):
+            conn, reused = self._connection(LISTING_S)
+            if conn is None:
+                return None
+            try:
+                conn.request("GET", path)
+                resp = conn.getresponse()
+                text = resp.read(MAX_LISTING).decode(errors="replace")
+                if resp.status != 200:
+                    conn.close()
+                    return None
+                self._keep(conn, resp)
+                return text
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                if not reused:
+                    return None
+        return None
+
+    def _connection(
+        self, timeout: float = REQUEST_S
+    ) -> tuple[http.client.HTTPConnection | None, bool]:
         """A kept connection (True), a new one (False), or (None, False)
         while the consumer's address is not known."""
         with self.lock:
@@ -528,7 +584,7 @@ class _Dialer:
                 return None, False
             with self.lock:
                 self.address = address
-        return http.client.HTTPConnection(*address, timeout=REQUEST_S), False
+        return http.client.HTTPConnection(*address, timeout=timeout), False
 
     def _keep(self, conn: http.client.HTTPConnection, resp) -> None:
         with self.lock:
