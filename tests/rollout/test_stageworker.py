@@ -5,6 +5,7 @@ version every step carries; a front's batch numbers and bad replies."""
 from __future__ import annotations
 
 import socket
+from functools import partial
 
 import numpy as np
 import pytest
@@ -184,6 +185,22 @@ def test_a_front_numbers_its_batches_above_the_groups(tiny_dir, tiny, tmp_path):
     fresh = next(_front(tiny_dir, tiny, store).batches)
     store.put(keys.stage_key("w1", fresh + 500, 0, 3), b"a reply the front left")
     assert next(_front(tiny_dir, tiny, store).batches) == fresh + 501
+
+
+def test_a_front_on_a_link_numbers_its_batches_above_what_stage_2_holds(tiny_dir, tiny,
+                                                                        tmp_path):  # fmt: skip
+    group, inbox = Group("run", "g", ("w0", "w1")), LocalStore(tmp_path)
+    link = partial(open_link, group, inbox=inbox, listen="127.0.0.1:0", timeout=5)
+    front_link, stage2 = link(0), link(1)
+    try:
+        fresh = next(_front(tiny_dir, tiny, front_link).batches)
+        front_link.put(keys.stage_key("w0", fresh + 500, 1, 7), b"a step stage 2 holds")
+        front_link.close()  # the front restarts: its own mailbox is empty
+        front_link = link(0)
+        assert next(_front(tiny_dir, tiny, front_link).batches) == fresh + 501
+    finally:
+        front_link.close()
+        stage2.close()
 
 
 def test_a_reply_that_does_not_check_gives_the_batch_up(tiny_dir, tiny, tmp_path):
