@@ -269,7 +269,7 @@ class Keyring:
 
 class _Handler(BaseHTTPRequestHandler):
     """PUT /stage/{key}: one message, its body bounded and its key checked
-    before the body is read."""
+    before the body is read; GET /held/{prefix}: the keys held."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: a sender's connections are reused
     timeout = IDLE_S
