@@ -58,6 +58,18 @@ def growing_layer():
             self._k[:, :, :t], self._v[:, :, :t] = keys, values
             self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
 
+        def stack(self, other, pad_self: int, pad_other: int, room: int) -> None:
+            """This layer's rows, then `other`'s, each left-padded with zero
+            columns to one width, into one new buffer with `room` to spare:
+            made once, where padding then concatenating then `assign` would
+            copy the whole cache three times over."""
+            t = self.keys.shape[2] + pad_self
+            if other.keys.shape[2] + pad_other != t:
+                raise ValueError("stacked caches must come to one width")
+            self._k = _stacked(self.keys, other.keys, pad_self, pad_other, t + room)
+            self._v = _stacked(self.values, other.values, pad_self, pad_other, t + room)
+            self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+
         def gather(self, index: torch.Tensor) -> None:
             """Keep, for each row b, columns index[b]."""
             at = index[:, None, :, None]
@@ -109,9 +121,16 @@ def growing_layer():
     return GrowingLayer
 
 
-def _left_pad(t: torch.Tensor, columns: int) -> torch.Tensor:
-    """[B, H, T, D] with `columns` zero columns before T (masked out of every query)."""
-    return torch.nn.functional.pad(t, (0, 0, columns, 0)) if columns else t
+def _stacked(a: torch.Tensor, b: torch.Tensor, pad_a: int, pad_b: int, width: int) -> torch.Tensor:
+    """[Ba + Bb, H, width, D]: a's rows then b's, each after its zero pad
+    columns (masked out of every query), the columns past them unset."""
+    rows, t = a.shape[0], a.shape[2] + pad_a
+    out = a.new_empty((rows + b.shape[0], a.shape[1], width, a.shape[3]))
+    out[:rows, :, :pad_a] = 0
+    out[:rows, :, pad_a:t] = a
+    out[rows:, :, :pad_b] = 0
+    out[rows:, :, pad_b:t] = b
+    return out
 
 
 class TorchCache:
@@ -169,11 +188,7 @@ class TorchCache:
 
     def join(self, other: TorchCache, pad_self: int, pad_other: int) -> None:
         for mine, theirs in zip(self.layers, other.layers, strict=True):
-            mine.assign(
-                torch.cat([_left_pad(mine.keys, pad_self), _left_pad(theirs.keys, pad_other)]),
-                torch.cat([_left_pad(mine.values, pad_self), _left_pad(theirs.values, pad_other)]),
-                ROOM,
-            )
+            mine.stack(theirs, pad_self, pad_other, ROOM)
 
     def gather(self, index: np.ndarray) -> None:
         at = self._index(index)
