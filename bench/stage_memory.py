@@ -14,9 +14,17 @@ resident set (VmHWM) and stops them all. Beside each peak:
   both the first and the last stage, which each hold it);
 - `kv_mb`: the KV cache of its layers at the batch's largest shape (rows x
   the episode's columns, keys and values in float32, the cache's dtype);
+- `kv_alloc_mb`: the same cache as the engine allocates it (its buffers
+  keep `ROOM` spare columns past the prompt: `engine.torch_backend`);
+- `packed_mb`: the bf16 form of the linears' codes the kernels pack (2
+  bytes a code, where the planner chose a bf16 kernel: on this project's
+  machine, every linear at 4 rows or more);
 - `base_mb`: a process's fixed cost, the same interpreter with torch,
   transformers and the worker imported (measured the same way);
-- `overhead_mb`: what is left, peak - weights - kv - base;
+- `overhead_mb`: what is left, peak - weights - packed - kv_alloc - base:
+  activations, messages, and what the allocator keeps of what was freed
+  (`MALLOC_MMAP_THRESHOLD_`, passed on to the workers, changes that: the
+  `malloc` field);
 - `loaded_peak_mb`: the peak as the worker said it had loaded its weights,
   before its first batch.
 
@@ -84,9 +92,11 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=2, help="batches each worker uploads first")
     args = p.parse_args()
 
+    import torch
     from transformers import AutoConfig
 
     from colonnade.engine.stages import plan_stages, stage_names, stage_skeleton
+    from colonnade.engine.torch_backend import ROOM
     from colonnade.model import resolve_model
     from colonnade.model.loading import skeleton
     from colonnade.protocol import keys
@@ -160,26 +170,40 @@ def main() -> int:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         columns = args.max_tokens + _longest_prompt(path)
 
-        def kv(layers: int) -> float:
-            return layers * 2 * kv_heads * head_dim * 4 * rows * columns / 2**20
+        prompt = _longest_prompt(path)
+
+        def kv(layers: int, width: int = columns) -> float:
+            return layers * 2 * kv_heads * head_dim * 4 * rows * width / 2**20
+
+        def packed(model) -> float:
+            return 2 * sum(m.weight.numel() for m in model.modules()
+                           if isinstance(m, torch.nn.Linear)) / 2**20  # fmt: skip
+
+        alloc = max(columns, prompt + ROOM)
 
         out = []
         for k, w in enumerate(ids):
-            names = stage_names(*stage_skeleton(config, plan[k]), plan[k])
+            model, aliases = stage_skeleton(config, plan[k])
+            names = stage_names(model, aliases, plan[k])
             out.append({"worker": w, "stage": f"{k + 1}/{n}",
                         "layers": [plan[k].start, plan[k].stop],
                         "weights_mb": _bytes_of(anchor, lambda x, s=names: s.local(x) is not None),
-                        "kv_mb": kv(plan[k].layers)})  # fmt: skip
+                        "kv_mb": kv(plan[k].layers), "kv_alloc_mb": kv(plan[k].layers, alloc),
+                        "packed_mb": packed(model)})  # fmt: skip
         out.append({"worker": "whole", "stage": "-", "layers": [0, text.num_hidden_layers],
                     "weights_mb": _bytes_of(anchor, lambda x: True),
-                    "kv_mb": kv(text.num_hidden_layers)})  # fmt: skip
+                    "kv_mb": kv(text.num_hidden_layers),
+                    "kv_alloc_mb": kv(text.num_hidden_layers, alloc),
+                    "packed_mb": packed(skeleton(path))})  # fmt: skip
         for row in out:
             row["peak_mb"] = peaks[row["worker"]]
             row["loaded_peak_mb"] = loaded.get(row["worker"], float("nan"))
             row["base_mb"] = base
-            row["overhead_mb"] = row["peak_mb"] - row["weights_mb"] - row["kv_mb"] - base
+            held = row["weights_mb"] + row["packed_mb"] + row["kv_alloc_mb"] + base
+            row["overhead_mb"] = row["peak_mb"] - held
             row.update({k: round(v, 1) for k, v in row.items() if isinstance(v, float)})
-            row.update(model=args.model, rows=rows, columns=columns)
+            row.update(model=args.model, rows=rows, columns=columns, kv_columns=alloc,
+                       malloc=os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"))  # fmt: skip
             print(json.dumps(row))
     return 0
 
