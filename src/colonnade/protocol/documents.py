@@ -174,16 +174,25 @@ def seal_claim(private, run_id: str, key: str, claim: Claim) -> bytes:
 def open_claim(data: bytes, key: str, run_id: str, keyring: dict | None) -> Claim:
     """The claim at `key`: of this run, and in a signed run (`keyring`: worker ->
     public key) signed by the worker it names. SchemaError otherwise."""
-    env = read_envelope(data, key, Claim.MAX_BYTES)
+    return _open_workers(data, key, run_id, keyring, Claim, "a claim", Claim.MAX_BYTES)
+
+
+def _open_workers(data, key, run_id, keyring, kind, what: str, max_bytes: int, check=None):
+    """A worker's document of type `kind` at `key` (`what` names it in errors):
+    of this run, passing `check(doc)`, and in a signed run signed by the
+    worker it names."""
+    env = read_envelope(data, key, max_bytes)
     if env["run"] != run_id:
-        raise SignatureRejected("bad_signature", f"{key}: a claim of another run")
-    claim = Claim.from_json(dumps(env["doc"]))
+        raise SignatureRejected("bad_signature", f"{key}: {what} of another run")
+    doc = kind.from_json(dumps(env["doc"]))
+    if check is not None:
+        check(doc)
     if keyring is not None:
-        public = keyring.get(claim.worker)
+        public = keyring.get(doc.worker)
         if public is None:
-            raise SignatureRejected("unknown_key", f"{key}: {claim.worker!r} is not registered")
+            raise SignatureRejected("unknown_key", f"{key}: {doc.worker!r} is not registered")
         open_doc(env, run_id, public)
-    return claim
+    return doc
 
 
 @dataclass(frozen=True)
@@ -227,18 +236,13 @@ def open_stage_address(data: bytes, key: str, run_id: str, keyring: dict | None)
     """The stage address at `key`: of this run and of the key's worker, and in
     a signed run (`keyring`: worker -> public key) signed by it. SchemaError
     otherwise."""
-    env = read_envelope(data, key, StageAddress.MAX_BYTES + ENVELOPE_BYTES)
-    if env["run"] != run_id:
-        raise SignatureRejected("bad_signature", f"{key}: an address of another run")
-    doc = StageAddress.from_json(dumps(env["doc"]))
-    if parse_stage_link_key(key) != doc.worker:
-        raise SchemaError(f"{key}: the address of {doc.worker!r}")
-    if keyring is not None:
-        public = keyring.get(doc.worker)
-        if public is None:
-            raise SignatureRejected("unknown_key", f"{key}: {doc.worker!r} is not registered")
-        open_doc(env, run_id, public)
-    return doc
+
+    def at_its_key(doc: StageAddress) -> None:
+        if parse_stage_link_key(key) != doc.worker:
+            raise SchemaError(f"{key}: the address of {doc.worker!r}")
+
+    bound = StageAddress.MAX_BYTES + ENVELOPE_BYTES
+    return _open_workers(data, key, run_id, keyring, StageAddress, "an address", bound, at_its_key)
 
 
 @dataclass(frozen=True)
