@@ -214,14 +214,31 @@ def test_a_signed_run_takes_only_the_producers_registered_key(tmp_path):
 def test_a_key_registered_later_is_read_again(tmp_path):
     (pa, ka), (pb, kb) = _keypair(), _keypair()
     registered = {"b": kb}
-    ring = Keyring(lambda: dict(registered))
-    ring.at = -1e9  # read long ago: the next miss reads again
-    a, b, _ = _pair(tmp_path, ring, privates=(pa, pb))
+    reads = []
+
+    def read():
+        reads.append(1)
+        return dict(registered)
+
+    a, b, _ = _pair(tmp_path, Keyring(lambda: dict(registered)), privates=(pa, pb))
+    # The consumer's own keyring, read once before "a" was registered: only
+    # its miss on a's message can read it again.
+    b.keyring = Keyring(read)
+    b.keyring.current(fresh=True)
     try:
-        registered["a"] = ka  # after the first read
-        ring.at = time.monotonic() - 60
+        registered["a"] = ka
+        b.keyring.at = time.monotonic() - 60  # the last read is old enough
         a.put(_key(1, 0, 0), b"now registered")
-        assert b.list() == [_key(1, 0, 0)]
+        assert b.list() == [_key(1, 0, 0)] and len(reads) == 2
+        # Within KEYRING_EVERY_S of a read, a miss does not read again.
+        registered.pop("a")
+        b.keyring.at = -float("inf")
+        b.keyring.current(fresh=True)
+        assert len(reads) == 3
+        registered["a"] = ka
+        with pytest.raises(LinkDown, match="403"):
+            a.put(_key(1, 1, 0), b"too soon")
+        assert len(reads) == 3
     finally:
         a.close()
         b.close()
@@ -265,3 +282,64 @@ def test_a_bad_address_is_refused(text):
         host_port(text)
     assert host_port("0.0.0.0:0", any_port=True) == ("0.0.0.0", 0)
     assert host_port("[::1]:9") == ("::1", 9)
+
+
+def test_a_length_that_is_not_plain_digits_is_refused(tmp_path):
+    a, b, _ = _pair(tmp_path)
+    try:
+        for length in ("\u00b2", "9" * 5000, "-1", "0x10"):
+            host, port = host_port(b.address)
+            conn = http.client.HTTPConnection(host, port, timeout=5)
+            conn.putrequest("PUT", PATH + _key(1, 0, 0))
+            conn.putheader("Content-Length", length.encode("latin-1"))
+            conn.endheaders()
+            assert conn.getresponse().status == 413, length
+            conn.close()
+        assert b.list() == [] and b.reading == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_trickled_body_gives_its_room_back_at_its_deadline(tmp_path, monkeypatch):
+    import socket
+
+    from colonnade.rollout import stagelink
+
+    monkeypatch.setattr(stagelink, "BODY_S", 0.5)
+    a, b, _ = _pair(tmp_path)
+    try:
+        sock = socket.create_connection(host_port(b.address), timeout=5)
+        head = f"PUT {PATH}{_key(1, 0, 0)} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(head.encode() + b"x")
+        t0 = time.monotonic()
+        while b.reading and time.monotonic() - t0 < 5:
+            sock.sendall(b"x")  # a byte every 0.1 s: never idle, never done
+            time.sleep(0.1)
+        assert b.reading == 0 and time.monotonic() - t0 < 3
+        sock.close()
+        assert b.list() == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_consumer_that_never_answers_costs_a_put_its_timeout(tmp_path):
+    import socket
+
+    a, b, _ = _pair(tmp_path, timeout=1.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, answers nothing
+    try:
+        a.dialer.address = silent.getsockname()[:2]
+        a.dialer.resolve = lambda: silent.getsockname()[:2]
+        t0 = time.monotonic()
+        with pytest.raises(LinkDown):
+            a.put(_key(1, 0, 0), b"step")
+        assert time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        assert a.list(keys.stage_dir("a")) == []  # a listing's one try, bounded too
+        assert time.monotonic() - t0 < 7
+    finally:
+        silent.close()
+        a.close()
+        b.close()

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import ipaddress
 import logging
 import socket
 import threading
@@ -107,12 +108,16 @@ MAX_MESSAGES = 1024
 MAX_HELD_BYTES = 4 * MAX_STAGE_BYTES
 MAX_CONNECTIONS = 64  # a producer's pooled connections, and room for strangers
 IDLE_S = 60.0  # a connection silent this long is closed (its slot freed)
+# A body must come whole within BODY_S + its bytes / MIN_RATE (256 MiB: 4.5 min).
+BODY_S, MIN_RATE = 10.0, 1 << 20
 REQUEST_S = 30.0  # one request's connect and each read or write on its socket
 RETRY_S = (0.05, 1.0)  # the pause between tries of a put: first, at most
 KEYRING_EVERY_S = 5.0  # the keyring is read again at most this often
 POOL = 8  # idle connections a sender keeps to its consumer
 MAX_ANSWER = 4096  # the bytes of an answer's text a sender reads
-MAX_LISTING = MAX_MESSAGES * 80  # a listing of the keys held: one key a line
+# A listing of the keys held, a line each: a key is its worker id (at most
+# 64 characters, `keys.check_worker_id`) and a few dozen more.
+MAX_LISTING = MAX_MESSAGES * 160
 LISTING_S = 5.0  # a listing's one try: a consumer out of reach lists nothing
 
 
@@ -249,7 +254,7 @@ class Keyring:
                 self.at = time.monotonic()
                 try:
                     self.keys = self.read()
-                except (NotFound, SchemaError, StoreUnavailable) as e:
+                except (SchemaError, StoreError) as e:
                     log.warning("stage link: the run's keyring not read: %s", e)
             return dict(self.keys)
 
@@ -292,11 +297,12 @@ class _Handler(BaseHTTPRequestHandler):
             length = self.headers.get("Content-Length")
             if self.headers.get("Transfer-Encoding") or length is None:
                 raise Refused(411, "send the message with a Content-Length")
-            if not length.isdigit() or int(length) > MAX_STAGE_BYTES:
+            digits = length.isascii() and length.isdigit() and len(length) <= 12
+            if not digits or int(length) > MAX_STAGE_BYTES:
                 raise Refused(413, f"a message is at most {MAX_STAGE_BYTES} bytes")
             with link.receiving(int(length)):
-                data = self.rfile.read(int(length))
-                if len(data) != int(length):
+                data = self._body(int(length))
+                if data is None:
                     self.close_connection = True
                     return
                 link.receive(key, data, self.headers.get(SIGNATURE, ""))
@@ -306,6 +312,31 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(e.status, str(e))
             return
         self._answer(200, "")
+
+    def _body(self, length: int) -> bytes | None:
+        """The request's body, or None if it does not come whole within
+        BODY_S + length / MIN_RATE: a sender that trickles bytes would
+        otherwise hold its room among the bodies in reading for as long as
+        it keeps sending one a minute."""
+        deadline = time.monotonic() + BODY_S + length / MIN_RATE
+        out, got = bytearray(length), 0
+        view = memoryview(out)
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.connection.settimeout(min(IDLE_S, left))
+                n = self.rfile.readinto1(view[got : got + (1 << 20)])
+                if not n:
+                    return None
+                got += n
+        except OSError:  # a socket timeout among them
+            return None
+        finally:
+            view.release()
+            self.connection.settimeout(IDLE_S)
+        return bytes(out)
 
     def do_GET(self) -> None:
         """The keys held under a prefix of the producer's messages: how a
@@ -401,6 +432,8 @@ class StageLink:
                  self.address, consumer)  # fmt: skip
 
     # -- the store's surface, as Front and StageServer use it -------------------------------
+    deletes = False  # a writer's delete does nothing (`delete`): nothing to list for one
+
     @property
     def url(self) -> str:
         return f"stage-link://{self.address}"
@@ -502,7 +535,14 @@ def _advertised(host: str, port: int) -> str:
             host = socket.gethostbyname(socket.gethostname())
         except OSError:
             host = "127.0.0.1"
-            log.warning("stage link: this host's address not found; pass --stage-advertise")
+        if ipaddress.ip_address(host).is_loopback:
+            # Right where every stage runs on this host; elsewhere the other
+            # stages would dial themselves.
+            log.warning(
+                "stage link: this host's name resolves to %s, which only this host "
+                "reaches: pass --stage-advertise HOST:PORT for stages elsewhere",
+                host,
+            )
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -520,7 +560,7 @@ class _Dialer:
         deadline = time.monotonic() + self.timeout
         pause, why = RETRY_S[0], "no address"
         while True:
-            conn, reused = self._connection()
+            conn, reused = self._connection(deadline)
             if conn is not None:
                 try:
                     conn.request("PUT", path, body=data, headers=headers)
@@ -536,7 +576,10 @@ class _Dialer:
                     why = text[:200]
                 except (OSError, http.client.HTTPException) as e:
                     conn.close()
-                    if reused:  # a kept connection the consumer closed meanwhile
+                    if reused and time.monotonic() < deadline:
+                        # A kept connection the consumer closed meanwhile:
+                        # so are the others, likely; a new one next.
+                        self.close()
                         continue
                     with self.lock:
                         self.address = None  # it may have started again elsewhere
@@ -548,10 +591,11 @@ class _Dialer:
             pause = min(pause * 2, RETRY_S[1])
 
     def fetch(self, path: str) -> str | None:
-        """GET `path` from the consumer, one try (a kept connection that
-        failed aside); None if it cannot be had."""
-        for _ in range(POOL + 1):
-            conn, reused = self._connection(LISTING_S)
+        """GET `path` from the consumer, one try within LISTING_S (a kept
+        connection that failed aside); None if it cannot be had."""
+        deadline = time.monotonic() + LISTING_S
+        for _ in range(2):
+            conn, reused = self._connection(deadline)
             if conn is None:
                 return None
             try:
@@ -565,18 +609,23 @@ class _Dialer:
                 return text
             except (OSError, http.client.HTTPException):
                 conn.close()
-                if not reused:
+                if not reused or time.monotonic() >= deadline:
                     return None
+                self.close()  # the kept ones are as stale: a new one next
         return None
 
-    def _connection(
-        self, timeout: float = REQUEST_S
-    ) -> tuple[http.client.HTTPConnection | None, bool]:
+    def _connection(self, deadline: float) -> tuple[http.client.HTTPConnection | None, bool]:
         """A kept connection (True), a new one (False), or (None, False)
-        while the consumer's address is not known."""
+        while the consumer's address is not known; its socket's every wait
+        within REQUEST_S and the caller's `deadline`."""
+        timeout = max(0.01, min(REQUEST_S, deadline - time.monotonic()))
         with self.lock:
             if self.idle:
-                return self.idle.pop(), True
+                conn = self.idle.pop()
+                conn.timeout = timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                return conn, True
             address = self.address
         if address is None:
             address = self.resolve()
