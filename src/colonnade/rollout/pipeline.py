@@ -145,6 +145,8 @@ def _messages(store: ObjectStore, worker: str) -> dict[tuple[int, int, int], str
 
 def _delete_before(store: ObjectStore, worker: str, batch: int) -> None:
     """Delete stage `worker`'s messages of batches older than `batch`."""
+    if not getattr(store, "deletes", True):
+        return  # a direct link's reader drops them itself: no listing to pay for
     for (b, _, _), key in _messages(store, worker).items():
         if b < batch:
             _delete(store, key)
