@@ -179,7 +179,11 @@ def main() -> int:
             return 2 * sum(m.weight.numel() for m in model.modules()
                            if isinstance(m, torch.nn.Linear)) / 2**20  # fmt: skip
 
-        alloc = max(columns, prompt + ROOM)
+        # The cache's buffer: the prompt and ROOM, grown by half (at least
+        # ROOM) each time it fills (`engine.torch_backend.growing_layer`).
+        alloc = prompt + ROOM
+        while alloc < columns:
+            alloc += max(alloc // 2, ROOM)
 
         out = []
         for k, w in enumerate(ids):

@@ -205,8 +205,9 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, link: str, in_flight: li
         root = Path(tmp) / "inbox"
         root.mkdir()
         procs = _start_stages(setup.path, root, Path(tmp), n, latency_ms, link)
-        store = _transport(root, 0, n, latency_ms, link)
+        store = None
         try:
+            store = _transport(root, 0, n, latency_ms, link)
             group = Group("bench", "g", tuple(f"w{k}" for k in range(n)))
             front = Front(first, store, group, setup.tok, config.vocab_size, timeout=600)
             for m in in_flight:
@@ -238,7 +239,7 @@ def _group_rows(setup: _Setup, n: int, latency_ms: int, link: str, in_flight: li
         finally:
             (Path(tmp) / "stop").touch()
             rss = _stop(procs, Path(tmp))
-            if hasattr(store, "close"):
+            if store is not None and hasattr(store, "close"):
                 store.close()
     for row in out:
         row["stage_rss_mb"] = rss
