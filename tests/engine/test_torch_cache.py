@@ -49,3 +49,22 @@ def test_a_join_of_caches_of_other_widths_is_refused():
     a, b = _cache(1, 4, 0), _cache(1, 5, 1)
     with pytest.raises(ValueError, match="one width"):
         a.join(b, 0, 0)
+
+
+def test_a_stack_of_many_is_their_joins_in_turn():
+    # All at once into one buffer: what joining one after another makes.
+    widths = [6, 9, 4, 9, 7]
+    parts = [_cache(1 + i % 3, w, 10 + i) for i, w in enumerate(widths)]
+    pads = [max(widths) - w for w in widths]
+    want = []
+    for layer in range(2):
+        ks = [_padded(p.layers[layer].keys, pad) for p, pad in zip(parts, pads, strict=True)]
+        vs = [_padded(p.layers[layer].values, pad) for p, pad in zip(parts, pads, strict=True)]
+        want.append((torch.cat(ks), torch.cat(vs)))
+    first = parts[0]
+    first.stack(parts[1:], pads)
+    for layer, (keys, values) in zip(first.layers, want, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert layer._k.shape[2] == max(widths) + ROOM
+    with pytest.raises(ValueError, match="one width"):
+        _cache(1, 3, 0).stack([_cache(1, 3, 1)], [1, 0])

@@ -92,6 +92,9 @@ def test_a_step_message_round_trips():
     assert got.distribution == (1.0, 0, 1.0)
     plain = unpack_step(pack_step(_step(allowed=None, draws=None, distribution=None)), BIND, 8)
     assert plain.allowed is None and plain.draws is None
+    stack = Op("stack", 4, -1, 2, 0, np.array([[5, 0], [6, 3]]))
+    got = unpack_step(pack_step(_step(ops=[stack])), BIND, 8)
+    assert got.ops[0].a == 2 and got.ops[0].index.tolist() == [[5, 0], [6, 3]]
 
 
 @pytest.mark.parametrize(
@@ -106,6 +109,10 @@ def test_a_step_message_round_trips():
         (_step(ops=[Op("select", 4, -1, 0, 0, np.array([-1, 0]))]), BIND, "index"),
         (_step(ops=[Op("gather", 4, -1, 0, 0, np.array([0, 1]))]), BIND, "dimension"),
         (_step(ops=[Op("join", 4, 5, 0, 0, np.array([0]))]), BIND, "no index"),
+        (_step(ops=[Op("stack", 4, -1, 0, 0, np.array([[5, 0, 1]]))]), BIND, "others, 2"),
+        (_step(ops=[Op("stack", 4, -1, 0, 0, np.array([[-5, 0]]))]), BIND, "cache ids"),
+        (_step(ops=[Op("stack", 4, -1, 0, 0, np.array([[5, 1 << 20]]))]), BIND, "pads"),
+        (_step(ops=[Op("stack", 4, -1, 0, 0, np.array([5, 0]))]), BIND, "dimension"),
         (_step(allowed=np.ones((2, 1, 3, 4), bool)), BIND, "allowed"),
     ],
 )

@@ -81,6 +81,11 @@ class Cache(Protocol):
 
     def gather(self, index: np.ndarray) -> None: ...
 
+    # Optional: every one of `others`' rows after these, in one buffer made
+    # once, each padded before by its `pads` columns (these rows' first).
+    # A cache without it is joined in pairs (`loop._concat`).
+    # def stack(self, others: list[Cache], pads: list[int]) -> None: ...
+
 
 class Backend(Protocol):
     name: str  # what a rollout batch records as its engine

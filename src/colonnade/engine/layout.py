@@ -141,6 +141,20 @@ class Layout:
         self.padded = self.padded or other.padded or pad_a > 0 or pad_b > 0
         return pad_a, pad_b
 
+    def extend_all(self, others: Sequence[Layout]) -> list[int]:
+        """Append every one of `others`' rows at once, all right-aligned on
+        the longest past (what extending by each in turn, or in pairs, ends
+        with). Returns the pad columns before each cache, this one's first."""
+        parts = [self, *others]
+        width = max(p.width for p in parts)
+        pads = [width - p.width for p in parts]
+        self.real = np.concatenate(
+            [np.pad(p.real, ((0, 0), (pad, 0))) for p, pad in zip(parts, pads, strict=True)]
+        )
+        self.pos = np.concatenate([p.pos for p in parts])
+        self.padded = any(p.padded for p in parts) or any(pads)
+        return pads
+
     def compact(self) -> np.ndarray | None:
         """Drop the pad columns no row needs, once they are a quarter of the cache.
 

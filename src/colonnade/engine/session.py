@@ -92,3 +92,9 @@ class Session:
         """Take on `other`'s rows (a session of the same backend, prefilled)."""
         pad_self, pad_other = self.layout.extend(other.layout)
         self.cache.join(other.cache, pad_self, pad_other)
+
+    def extend_all(self, others: Sequence[Session]) -> None:
+        """Take on every one of `others`' rows at once, into one buffer made
+        once (a backend whose cache can `stack`; see `loop._concat`)."""
+        pads = self.layout.extend_all([o.layout for o in others])
+        self.cache.stack([o.cache for o in others], pads)

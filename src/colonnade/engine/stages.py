@@ -324,6 +324,10 @@ class ChainCache:
         for c, o in zip(self.caches, other.caches, strict=True):
             c.join(o, pad_self, pad_other)
 
+    def stack(self, others: list[ChainCache], pads: list[int]) -> None:
+        for k, c in enumerate(self.caches):
+            c.stack([o.caches[k] for o in others], pads)
+
     def gather(self, index: np.ndarray) -> None:
         for c in self.caches:
             c.gather(index)

@@ -58,16 +58,20 @@ def growing_layer():
             self._k[:, :, :t], self._v[:, :, :t] = keys, values
             self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
 
-        def stack(self, other, pad_self: int, pad_other: int, room: int) -> None:
-            """This layer's rows, then `other`'s, each left-padded with zero
-            columns to one width, into one new buffer with `room` to spare:
-            made once, where padding then concatenating then `assign` would
-            copy the whole cache three times over."""
-            t = self.keys.shape[2] + pad_self
-            if other.keys.shape[2] + pad_other != t:
+        def stack(self, others: list, pads: list[int], room: int) -> None:
+            """This layer's rows, then each of `others`', each left-padded
+            with `pads` zero columns (this layer's first) to one width, into
+            one new buffer with `room` to spare: made once, where padding,
+            concatenating then `assign` would copy the whole cache three
+            times over, and joining in pairs once a level."""
+            parts = [self, *others]
+            t = self.keys.shape[2] + pads[0]
+            if len(pads) != len(parts) or any(
+                p.keys.shape[2] + pad != t for p, pad in zip(parts, pads, strict=True)
+            ):
                 raise ValueError("stacked caches must come to one width")
-            self._k = _stacked(self.keys, other.keys, pad_self, pad_other, t + room)
-            self._v = _stacked(self.values, other.values, pad_self, pad_other, t + room)
+            self._k = _stacked([p.keys for p in parts], pads, t + room)
+            self._v = _stacked([p.values for p in parts], pads, t + room)
             self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
 
         def gather(self, index: torch.Tensor) -> None:
@@ -121,15 +125,18 @@ def growing_layer():
     return GrowingLayer
 
 
-def _stacked(a: torch.Tensor, b: torch.Tensor, pad_a: int, pad_b: int, width: int) -> torch.Tensor:
-    """[Ba + Bb, H, width, D]: a's rows then b's, each after its zero pad
-    columns (masked out of every query), the columns past them unset."""
-    rows, t = a.shape[0], a.shape[2] + pad_a
-    out = a.new_empty((rows + b.shape[0], a.shape[1], width, a.shape[3]))
-    out[:rows, :, :pad_a] = 0
-    out[:rows, :, pad_a:t] = a
-    out[rows:, :, :pad_b] = 0
-    out[rows:, :, pad_b:t] = b
+def _stacked(parts: list[torch.Tensor], pads: list[int], width: int) -> torch.Tensor:
+    """[sum of B, H, width, D]: each part's rows in turn, each after its zero
+    pad columns (masked out of every query), the columns past them unset."""
+    first = parts[0]
+    t = first.shape[2] + pads[0]
+    out = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], width, first.shape[3]))
+    row = 0
+    for part, pad in zip(parts, pads, strict=True):
+        end = row + part.shape[0]
+        out[row:end, :, :pad] = 0
+        out[row:end, :, pad:t] = part
+        row = end
     return out
 
 
@@ -187,8 +194,15 @@ class TorchCache:
             mine.update(new_k, new_v)
 
     def join(self, other: TorchCache, pad_self: int, pad_other: int) -> None:
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            mine.stack(theirs, pad_self, pad_other, ROOM)
+        self.stack([other], [pad_self, pad_other])
+
+    def stack(self, others: list[TorchCache], pads: list[int]) -> None:
+        """Every one of `others`' rows after these, all in one buffer, each
+        padded before by its `pads` columns (these rows' first)."""
+        if any(len(o.layers) != len(self.layers) for o in others):
+            raise ValueError("stacked caches must have the same layers")
+        for i, mine in enumerate(self.layers):
+            mine.stack([o.layers[i] for o in others], pads, ROOM)
 
     def gather(self, index: np.ndarray) -> None:
         at = self._index(index)

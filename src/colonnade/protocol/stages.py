@@ -61,6 +61,9 @@ OPS = {
     "write": 1,  # `other`'s columns into rows `index` from column `a`
     "append": 1,  # `a` new columns: `other`'s last for rows `index`, pad for the rest
     "join": None,  # `other`'s rows after these, padded by `a` and `b` columns
+    # The rows of the caches index[:, 0] after these, in order, all in one
+    # buffer: these padded by `a` columns, each other by index[:, 1].
+    "stack": 2,
     "gather": 2,  # columns index[b] of each row b
 }
 _SAFE = {  # numpy dtype -> safetensors dtype
@@ -252,6 +255,12 @@ def unpack_step(raw: bytes, expect: Binding, hidden_size: int) -> Step:
     for i, op in enumerate(ops):
         if OPS[op.name] is not None:
             op.index = a[f"index{i}"]
+            if op.name == "stack":
+                ids, pads = op.index[:, :1], op.index[:, 1:]
+                need(op.index.shape[1] == 2 and op.index.shape[0] >= 1, f"op {i}: [others, 2]")
+                need(bool(((ids >= 0) & (ids < MAX_CACHE_ID)).all()), f"op {i}: cache ids")
+                need(bool(((pads >= 0) & (pads < MAX_COLUMNS)).all()), f"op {i}: pads")
+                continue
             top = MAX_COLUMNS if op.name == "gather" else MAX_ROWS
             need(bool(((op.index >= 0) & (op.index < top)).all()), f"op {i}: index out of range")
     return Step(expect, d["cache"], ops, a["hidden"], a["positions"], a["real"],

@@ -209,6 +209,11 @@ class FrontCache:
         self.local.join(other.local, pad_self, pad_other)
         self.journal.add(Op("join", self.id, other.id, pad_self, pad_other))
 
+    def stack(self, others: list[FrontCache], pads: list[int]) -> None:
+        self.local.stack([o.local for o in others], pads)
+        index = np.array([[o.id, pad] for o, pad in zip(others, pads[1:], strict=True)])
+        self.journal.add(Op("stack", self.id, -1, pads[0], 0, index.reshape(-1, 2)))
+
     def gather(self, index: np.ndarray) -> None:
         self.local.gather(index)
         self.journal.add(Op("gather", self.id, -1, 0, 0, index.copy()))
@@ -396,6 +401,10 @@ class _Caches:
             self.by_id.pop(op.cache, None)
             return
         cache = self.get(op.cache)
+        if op.name == "stack":  # index: [others, 2], each other cache's id and pad
+            others = [self.get(int(i)) for i in op.index[:, 0]]
+            cache.stack(others, [op.a, *(int(p) for p in op.index[:, 1])])
+            return
         if op.index is not None and not cache.empty:
             limit = cache.layers[0].keys.shape[2 if op.name == "gather" else 0]
             if op.index.size and int(op.index.max()) >= limit:
