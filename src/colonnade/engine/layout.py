@@ -132,13 +132,7 @@ class Layout:
         Returns the pad columns to put before this layout's cache and before
         `other`'s, which the backend adds to its own arrays.
         """
-        a, b = self.width, other.width
-        pad_a, pad_b = max(b - a, 0), max(a - b, 0)
-        self.real = np.concatenate(
-            [np.pad(self.real, ((0, 0), (pad_a, 0))), np.pad(other.real, ((0, 0), (pad_b, 0)))]
-        )
-        self.pos = np.concatenate([self.pos, other.pos])
-        self.padded = self.padded or other.padded or pad_a > 0 or pad_b > 0
+        pad_a, pad_b = self.extend_all([other])
         return pad_a, pad_b
 
     def extend_all(self, others: Sequence[Layout]) -> list[int]:

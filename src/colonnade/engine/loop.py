@@ -345,12 +345,11 @@ class Engine:
             if admit:
                 share = share_prefix and all(len(r.pending) >= 2 for r in admit)
                 if share:
-                    part = self._prefilled(admit, prefixes, source.upcoming)
+                    wanted = source.upcoming()  # a prompt's prefill is kept for these
+                    part = self._prefilled(admit, prefixes, wanted)
+                    prefixes = {p: s for p, s in prefixes.items() if p in wanted}
                 else:
                     part = self._session(len(admit))
-                if share and prefixes:
-                    wanted = source.upcoming()
-                    prefixes = {p: s for p, s in prefixes.items() if p in wanted}
                 session, live = self._joined(session, live, part, admit)
             if back:
                 part = _concat([cache for _, cache in back])
@@ -462,14 +461,14 @@ class Engine:
         self,
         unit: list[_Row],
         prefixes: dict[tuple[int, ...], Session],
-        upcoming: Callable[[], Collection[tuple[int, ...]]],
+        wanted: Collection[tuple[int, ...]],
     ) -> Session:
         """A session holding each row's prompt but its last token, one prefill per
         distinct prompt; each row's pending chunk becomes that last token.
 
         A group admitted in parts (rows free up one by one) is prefilled once:
-        a prompt's prefilled row is kept in `prefixes` while `upcoming()`
-        names it, and later parts copy it. Where every prompt is prefilled
+        a prompt's prefilled row is kept in `prefixes` while `wanted` (the
+        prompts still to come) names it, and later parts copy it. Where every prompt is prefilled
         now, the rows are copied from that prefill at once: no row of it is
         copied, joined and copied again (a cache as large as the batch's,
         twice over, at 64 groups of one row).
@@ -483,7 +482,6 @@ class Engine:
         if missing:
             made = self._session(len(missing))
             made.step([list(p[:-1]) for p in missing])
-            wanted = upcoming()
             for j, p in enumerate(missing):
                 made_rows[p] = j
                 if p in wanted:
